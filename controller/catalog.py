@@ -1,0 +1,146 @@
+"""Model and engine catalogs: the built-in YAML files, with user catalogs merged over them."""
+
+from __future__ import annotations
+
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Iterable
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from controller.errors import CatalogError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelEntry(_Strict):
+    id: str
+    name: str
+    repo: str
+    file: str
+    size_bytes: int | None = None
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    engine: str  # engine family ("upstream", "ik") or an exact engine id
+    moe: bool = False
+    mtp: bool = False
+    sliding_window: bool = False
+    template: str | None = None  # chat template file shipped with roles/llama_service
+    hub_url: str | None = None  # where <repo>/resolve/main/<file> lives; defaults to the catalog's
+
+    def url(self, mirror: str | None = None) -> str:
+        base = (mirror or self.hub_url or "").rstrip("/")
+        if not base:
+            raise CatalogError(f"model {self.id}: no download address; set mirror.models in the fleet file")
+        return f"{base}/{self.repo}/resolve/main/{self.file}"
+
+
+class EnginePack(_Strict):
+    file: str
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+
+
+class EngineEntry(_Strict):
+    id: str
+    family: str
+    commit: str
+    description: str = ""
+    min_driver: int | None = None
+    max_driver: int | None = None
+    cpu_only: bool = False
+    nccl: bool = False
+    load_flags: dict[str, list[str]] = Field(default_factory=dict)
+    packs: dict[str, EnginePack]
+
+    @property
+    def slot(self) -> str:
+        """The install folder name shared by every version of this engine: "upstream", "ik", "cpu"."""
+        return self.id.removesuffix(f"-{self.commit}")
+
+    def pack(self, platform: str) -> EnginePack:
+        try:
+            return self.packs[platform]
+        except KeyError:
+            have = ", ".join(sorted(self.packs))
+            raise CatalogError(f"engine {self.id} has no release pack for {platform} (packs: {have})") from None
+
+
+class Catalog(_Strict):
+    models: dict[str, ModelEntry]
+    engines: dict[str, EngineEntry]
+
+    def model(self, model_id: str) -> ModelEntry:
+        try:
+            return self.models[model_id]
+        except KeyError:
+            known = ", ".join(sorted(self.models))
+            raise CatalogError(f"unknown model id {model_id!r}; the catalog has: {known}") from None
+
+    def engine(self, engine_id: str) -> EngineEntry:
+        try:
+            return self.engines[engine_id]
+        except KeyError:
+            known = ", ".join(sorted(self.engines))
+            raise CatalogError(f"unknown engine id {engine_id!r}; the catalog has: {known}") from None
+
+
+def _read(text: str, source: str) -> dict:
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise CatalogError(f"{source}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise CatalogError(f"{source}: expected a mapping with 'models' and/or 'engines'")
+    unknown = set(data) - {"hub_url", "models", "engines"}
+    if unknown:
+        raise CatalogError(f"{source}: unknown top-level keys {sorted(unknown)}; expected hub_url, models, engines")
+    return data
+
+
+def _entries(data: dict, key: str, source: str) -> dict[str, dict]:
+    section = data.get(key) or {}
+    if not isinstance(section, dict):
+        raise CatalogError(f"{source}: '{key}' must be a mapping of id to entry")
+    out = {}
+    for entry_id, body in section.items():
+        if not isinstance(body, dict):
+            raise CatalogError(f"{source}: {key} entry {entry_id!r} must be a mapping")
+        entry = {"id": str(entry_id), **body}
+        if key == "models" and data.get("hub_url") and "hub_url" not in body:
+            entry["hub_url"] = data["hub_url"]
+        out[str(entry_id)] = entry
+    return out
+
+
+@cache
+def _builtin_texts() -> tuple[str, str]:
+    data = resources.files("controller") / "data"
+    return (data / "models.yml").read_text(), (data / "engines.yml").read_text()
+
+
+def load_catalog(extra: Iterable[Path] = ()) -> Catalog:
+    """The built-in catalog with each extra catalog file merged over it, entry by entry."""
+    models_text, engines_text = _builtin_texts()
+    models = _entries(_read(models_text, "built-in models.yml"), "models", "built-in models.yml")
+    engines = _entries(_read(engines_text, "built-in engines.yml"), "engines", "built-in engines.yml")
+    for path in extra:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise CatalogError(f"{path}: cannot read catalog: {exc.strerror}") from None
+        data = _read(text, str(path))
+        models.update(_entries(data, "models", str(path)))
+        engines.update(_entries(data, "engines", str(path)))
+    try:
+        return Catalog.model_validate({"models": models, "engines": engines})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise CatalogError(f"catalog entry {where}: {first['msg']}") from None
+
+
+def resolve_catalog_model(model_id: str, extra: Iterable[Path] = ()) -> ModelEntry:
+    return load_catalog(extra).model(model_id)

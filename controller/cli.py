@@ -1,0 +1,164 @@
+"""``controller``: probe, plan, render, provision and verify V100 LLM boxes.
+
+One action maps to one playbook: ``provision`` runs playbooks/site.yml, ``verify`` playbooks/verify.yml.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from controller.errors import ControllerError
+
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+fleet_option = click.option(
+    "--fleet", "fleet_path", type=click.Path(path_type=Path, dir_okay=False), required=True,
+    help="Fleet file (YAML) naming the boxes.",
+)
+inventory_option = click.option(
+    "--inventory", "inventory", type=click.Path(path_type=Path, file_okay=False), default=None,
+    help="Folder for the rendered inventory, reports and artifacts [default: inventory/ beside the fleet file].",
+)
+json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+
+
+def _inventory_for(fleet_path: Path, inventory: Path | None) -> Path:
+    return inventory if inventory is not None else fleet_path.resolve().parent / "inventory"
+
+
+def _load(fleet_path: Path):
+    from controller.fleet import load_fleet
+
+    return load_fleet(fleet_path)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="v100-llm-box")
+def cli() -> None:
+    """Provision Tesla V100 boxes that serve GGUF models with llama.cpp."""
+
+
+@cli.command()
+@click.argument("box")
+@fleet_option
+@inventory_option
+@json_option
+def provision(box: str, fleet_path: Path, inventory: Path | None, as_json: bool) -> None:
+    """Probe BOX, plan its services, render the inventory and run playbooks/site.yml on it."""
+    from controller.progress import Progress
+    from controller.provision import provision as run_provision
+    from controller.report import markdown
+
+    progress = Progress(as_json=as_json)
+    report, result = run_provision(_load(fleet_path), box, _inventory_for(fleet_path, inventory), progress)
+    progress.summary(result)
+    if as_json:
+        click.echo(json.dumps({"type": "report", **report}))
+    else:
+        click.echo(markdown(report))
+    if not report["verified"]:
+        sys.exit(6)
+
+
+@cli.command()
+@click.argument("box")
+@fleet_option
+@inventory_option
+@json_option
+def render(box: str, fleet_path: Path, inventory: Path | None, as_json: bool) -> None:
+    """Probe BOX and render its inventory without changing it (for plain ansible-playbook)."""
+    from controller.provision import prepare
+
+    target = _inventory_for(fleet_path, inventory)
+    prepared = prepare(_load(fleet_path), box, target)
+    if as_json:
+        click.echo(json.dumps({"inventory": str(target), "plan": prepared.plan.model_dump(mode="json")}))
+    else:
+        click.echo(f"Rendered {target}/hosts.yml and {target}/host_vars/{box}.yml; run:\n"
+                   f"  ansible-playbook -i {target}/hosts.yml playbooks/site.yml --limit {box}")
+
+
+@cli.command()
+@click.argument("box")
+@fleet_option
+@json_option
+def plan(box: str, fleet_path: Path, as_json: bool) -> None:
+    """Probe BOX and print the serving plan for the models the fleet file wants on it."""
+    from controller.catalog import load_catalog
+    from controller.planner import plan_box
+    from controller.probe.collect import probe_box
+
+    fleet = _load(fleet_path)
+    target = fleet.box(box)
+    catalog = load_catalog(fleet.catalogs)
+    profile, _raw, _seconds = probe_box(target)
+    result = plan_box(target, profile, catalog)
+    if as_json:
+        click.echo(result.model_dump_json(indent=2))
+        return
+    for service in result.services:
+        click.echo(f"{service.name}: {service.model} on {service.engine}, GPUs {service.gpus or 'none'}, "
+                   f"port {service.port}")
+        for reason in service.reasons:
+            click.echo(f"  - {reason}")
+        click.echo("  llama-server " + " ".join(service.args))
+    for item in result.unplaced:
+        click.echo(f"not placed: {item.model}: {item.reason}")
+
+
+@cli.command()
+@click.argument("box")
+@fleet_option
+@inventory_option
+@json_option
+def verify(box: str, fleet_path: Path, inventory: Path | None, as_json: bool) -> None:
+    """Run playbooks/verify.yml on BOX's rendered inventory and print what its servers answered."""
+    from controller.progress import Progress
+    from controller.provision import secrets_for
+    from controller.runner import run_playbook
+
+    fleet = _load(fleet_path)
+    target = fleet.box(box)
+    folder = _inventory_for(fleet_path, inventory)
+    if not (folder / "host_vars" / f"{box}.yml").exists():
+        raise click.ClickException(f"{folder} has no rendered inventory for {box}; run `controller render` first")
+    progress = Progress(as_json=as_json)
+    result = run_playbook("verify.yml", inventory=folder, limit=box, secrets=secrets_for(target), on_event=progress)
+    progress.summary(result)
+    click.echo(json.dumps(result.data.get("llama_verify", {}).get(box, {}), indent=None if as_json else 2))
+
+
+def _register_optional_commands() -> None:
+    from controller.cli_demo import demo
+
+    cli.add_command(demo)
+    for module, name in (("controller.cli_probe", "probe"), ("controller.cli_estimate", "estimate")):
+        try:
+            command = getattr(__import__(module, fromlist=[name]), name)
+        except (ImportError, AttributeError):
+            continue
+        cli.add_command(command, name)
+
+
+def main() -> None:
+    _register_optional_commands()
+    try:
+        cli(standalone_mode=False)
+    except click.exceptions.Abort:
+        err_console.print("aborted")
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except ControllerError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", markup=True)
+        sys.exit(exc.exit_code)
+    except SystemExit:
+        raise
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)

@@ -1,0 +1,197 @@
+"""The fleet file: which boxes exist, how to reach them, and what each should serve.
+
+Example::
+
+    defaults:
+      user: root
+      key: ~/.ssh/id_ed25519
+    boxes:
+      box3:
+        address: 192.0.2.10
+        os: linux
+        models:
+          - id: qwen3.6-35b-a3b-iq4_xs
+            ctx: 65536
+            agents: 2
+
+Secrets are never written in the fleet file; it names where to find them (an environment variable
+or a file), and the controller hands them to Ansible outside the inventory and artifacts.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from controller.errors import FleetError
+
+BOX_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Secret(_Strict):
+    """Where a secret lives: exactly one of an environment variable, a file, or (tests only) a value."""
+
+    env: str | None = None
+    file: Path | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Secret:
+        if (self.env is None) == (self.file is None):
+            raise ValueError("give exactly one of 'env' (a variable name) or 'file' (a path)")
+        return self
+
+    def resolve(self, what: str) -> str:
+        if self.env is not None:
+            value = os.environ.get(self.env)
+            if not value:
+                raise FleetError(f"{what}: environment variable {self.env} is not set; export it or use 'file:'")
+            return value
+        path = self.file.expanduser()
+        try:
+            value = path.read_text().strip()
+        except OSError as exc:
+            raise FleetError(f"{what}: cannot read secret file {path}: {exc.strerror}") from None
+        if not value:
+            raise FleetError(f"{what}: secret file {path} is empty")
+        return value
+
+
+class WantedModel(_Strict):
+    id: str
+    ctx: int | None = Field(default=None, ge=512)
+    agents: int = Field(default=1, ge=1, le=64)
+
+
+class Mirror(_Strict):
+    """Base URLs to fetch from instead of the catalog's own addresses (a LAN mirror, or the lab)."""
+
+    engines: str | None = None
+    models: str | None = None
+
+
+class Box(_Strict):
+    name: str = Field(pattern=BOX_NAME_PATTERN)
+    address: str
+    transport: Literal["ssh", "winrm", "local"] = "ssh"
+    port: int | None = Field(default=None, ge=1, le=65535)
+    user: str = "root"
+    key: Path | None = None
+    password: Secret | None = None
+    os: Literal["linux", "windows"] = "linux"
+    become: bool = True
+    models: list[WantedModel] = Field(default_factory=list)
+    model_dir: str | None = None
+    bind: str = "127.0.0.1"
+    base_port: int = Field(default=8001, ge=1024, le=65000)
+    api_key: Secret | None = None
+    hf_token: Secret | None = None
+    mirror: Mirror = Field(default_factory=Mirror)
+    winrm_scheme: Literal["https", "http"] = "https"
+    winrm_transport: Literal["ntlm", "kerberos", "basic", "credssp"] = "ntlm"
+    winrm_insecure_skip_verify: bool = False
+    vars: dict[str, Any] = Field(default_factory=dict)  # extra Ansible variables for this box
+
+    @field_validator("bind")
+    @classmethod
+    def _bind_is_an_address(cls, value: str) -> str:
+        ipaddress.ip_address(value)
+        return value
+
+    @property
+    def effective_port(self) -> int:
+        if self.port is not None:
+            return self.port
+        if self.transport == "winrm":
+            return 5986 if self.winrm_scheme == "https" else 5985
+        return 22
+
+    @property
+    def effective_model_dir(self) -> str:
+        if self.model_dir:
+            return self.model_dir
+        return "C:\\llama\\models" if self.os == "windows" else "/var/lib/llama/models"
+
+    @property
+    def binds_beyond_loopback(self) -> bool:
+        return not ipaddress.ip_address(self.bind).is_loopback
+
+
+class Fleet(_Strict):
+    boxes: dict[str, Box]
+    catalogs: list[Path] = Field(default_factory=list)  # extra model catalogs, merged over the built-in one
+    source: Path | None = Field(default=None, exclude=True)
+
+    def box(self, name: str) -> Box:
+        try:
+            return self.boxes[name]
+        except KeyError:
+            known = ", ".join(sorted(self.boxes)) or "none"
+            raise FleetError(f"{self.source or 'fleet'}: no box named {name!r} (boxes: {known})") from None
+
+
+def _merge_defaults(raw: dict[str, Any]) -> dict[str, Any]:
+    defaults = raw.pop("defaults", None) or {}
+    if not isinstance(defaults, dict):
+        raise ValueError("'defaults' must be a mapping")
+    boxes = raw.get("boxes")
+    if isinstance(boxes, dict):
+        raw["boxes"] = {
+            name: {**defaults, **(body or {}), "name": name} if isinstance(body, dict) or body is None else body
+            for name, body in boxes.items()
+        }
+    return raw
+
+
+def _describe(error: ValidationError, source: Path) -> str:
+    lines = []
+    for item in error.errors():
+        loc = list(item["loc"])
+        where = ""
+        if len(loc) >= 2 and loc[0] == "boxes":
+            where = f"box {loc[1]!r}, "
+            loc = loc[2:]
+        field = ".".join(str(part) for part in loc) or "(top level)"
+        message = item["msg"]
+        if item["type"] == "extra_forbidden":
+            message = "unknown field (check the spelling; see the fleet file reference in README.md)"
+        lines.append(f"{source}: {where}field {field!r}: {message}")
+    return "\n".join(lines)
+
+
+def parse_fleet(data: Any, source: Path) -> Fleet:
+    if not isinstance(data, dict):
+        raise FleetError(f"{source}: expected a mapping with a 'boxes' key at the top level")
+    base = source.parent
+    try:
+        fleet = Fleet.model_validate(_merge_defaults(dict(data)))
+    except ValueError as exc:  # ValidationError is a ValueError
+        if isinstance(exc, ValidationError):
+            raise FleetError(_describe(exc, source)) from None
+        raise FleetError(f"{source}: {exc}") from None
+    fleet.source = source
+    fleet.catalogs = [path if path.is_absolute() else base / path for path in fleet.catalogs]
+    for box in fleet.boxes.values():
+        if box.key is not None and not box.key.is_absolute() and not str(box.key).startswith("~"):
+            box.key = base / box.key
+    return fleet
+
+
+def load_fleet(path: Path) -> Fleet:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise FleetError(f"{path}: cannot read fleet file: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise FleetError(f"{path}: not valid YAML: {exc}") from None
+    return parse_fleet(data, path)

@@ -1,0 +1,80 @@
+"""The hardware profile: what the probe saw on a box, as typed data.
+
+This is the JSON contract of ``controller probe --json``; extend it, never rename fields.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Gpu(_Model):
+    index: int
+    uuid: str | None = None
+    name: str
+    memory_mib: int | None = None
+    compute_capability: str | None = None  # "7.0" form
+    pci_bus_id: str | None = None
+    serial: str | None = None
+    power_limit_w: float | None = None
+    temperature_c: float | None = None
+
+    @property
+    def is_v100(self) -> bool:
+        return "V100" in self.name.upper()
+
+
+class Driver(_Model):
+    version: str | None = None
+    cuda_version: str | None = None
+    model: Literal["TCC", "WDDM", "MCDM"] | None = None
+
+
+class NvLink(_Model):
+    pairs: list[tuple[int, int, int]] = Field(default_factory=list)  # (gpu i, gpu j, link count), i < j
+
+
+class Cpu(_Model):
+    model: str | None = None
+    cores: int | None = None  # physical cores
+    threads: int | None = None
+    flags: list[str] = Field(default_factory=list)
+    avx2: bool = False
+    avx512: bool = False
+
+
+class OsInfo(_Model):
+    family: Literal["linux", "windows"] | None = None
+    name: str | None = None
+    version: str | None = None
+    wsl: bool = False
+
+
+class Disk(_Model):
+    path: str
+    filesystem: str | None = None
+    total_mib: int | None = None
+    free_mib: int | None = None
+
+
+class HardwareProfile(_Model):
+    gpus: list[Gpu] = Field(default_factory=list)
+    driver: Driver = Field(default_factory=Driver)
+    nvlink: NvLink = Field(default_factory=NvLink)
+    boards: list[list[int]] = Field(default_factory=list)
+    cpu: Cpu = Field(default_factory=Cpu)
+    memory_mib: int | None = None
+    os: OsInfo = Field(default_factory=OsInfo)
+    disks: list[Disk] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list)
+
+    @property
+    def usable(self) -> bool:
+        """True when the probe learned anything at all about the box."""
+        return bool(self.gpus or self.cpu.model or self.cpu.threads or self.memory_mib or self.os.family)

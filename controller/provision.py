@@ -1,0 +1,97 @@
+"""The provisioning pipeline: probe -> plan -> render -> run -> verify -> report.
+
+Each stage writes an artefact into the inventory folder; only the run changes the box.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from controller.catalog import Catalog, load_catalog
+from controller.errors import PlanError, ProbeError
+from controller.fleet import Box, Fleet
+from controller.planner import plan_box
+from controller.profile import HardwareProfile
+from controller.render import render_box
+from controller.report import build_report, write_report
+from controller.runner import EventHandler, RunResult, run_playbook
+from controller.serveplan import ServePlan
+
+DRIVER_WINDOW = (570, 580)  # Volta: CUDA 12.8 binaries need R570+, R595 drops sm_70
+
+
+@dataclass
+class Prepared:
+    box: Box
+    catalog: Catalog
+    profile: HardwareProfile
+    plan: ServePlan
+    probe_seconds: float
+
+
+def check_driver(box: Box, profile: HardwareProfile) -> None:
+    """Refuse a V100 box whose installed driver is outside the R570-R580 window."""
+    if not any(gpu.is_v100 for gpu in profile.gpus) or not profile.driver.version:
+        return
+    try:
+        major = int(profile.driver.version.split(".")[0])
+    except ValueError:
+        raise ProbeError(f"box {box.name}: cannot read the driver version {profile.driver.version!r}") from None
+    low, high = DRIVER_WINDOW
+    if major < low:
+        raise PlanError(
+            f"box {box.name}: NVIDIA driver {profile.driver.version} is too old for the CUDA 12.8 engine builds "
+            f"(they fail with 'device kernel image is invalid'); install an R{low}-R{high} driver (e.g. 570.x)"
+        )
+    if major > high:
+        raise PlanError(
+            f"box {box.name}: NVIDIA driver {profile.driver.version} no longer supports Volta (sm_70); "
+            f"install an R{low}-R{high} driver (e.g. 580.x)"
+        )
+
+
+def prepare(fleet: Fleet, box_name: str, inventory: Path) -> Prepared:
+    """Probe, plan and render one box; no change to the box."""
+    from controller.probe.collect import probe_box
+
+    box = fleet.box(box_name)
+    catalog = load_catalog(fleet.catalogs)
+    for wanted in box.models:  # fail on an unknown id before touching the network
+        catalog.model(wanted.id)
+    profile, _raw, seconds = probe_box(box)
+    check_driver(box, profile)
+    plan = plan_box(box, profile, catalog)
+    if not plan.services:
+        reasons = "; ".join(f"{item.model}: {item.reason}" for item in plan.unplaced)
+        raise PlanError(f"box {box.name}: no wanted model fits: {reasons}")
+    render_box(inventory, fleet, box, profile, plan, catalog)
+    return Prepared(box, catalog, profile, plan, seconds)
+
+
+def secrets_for(box: Box) -> dict[str, str]:
+    secrets = {}
+    if box.api_key is not None:
+        secrets["llama_service_api_key"] = box.api_key.resolve(f"box {box.name} api_key")
+    if box.hf_token is not None:
+        secrets["gguf_model_hf_token"] = box.hf_token.resolve(f"box {box.name} hf_token")
+    if box.password is not None:
+        secrets["ansible_password"] = box.password.resolve(f"box {box.name} password")
+    return secrets
+
+
+def verify_data(result: RunResult, box: Box) -> dict[str, Any]:
+    return (result.data.get("llama_verify") or {}).get(box.name, {})
+
+
+def provision(fleet: Fleet, box_name: str, inventory: Path, on_event: EventHandler | None = None,
+              ) -> tuple[dict[str, Any], RunResult]:
+    prepared = prepare(fleet, box_name, inventory)
+    box = prepared.box
+    result = run_playbook("site.yml", inventory=inventory, limit=box.name, secrets=secrets_for(box),
+                          on_event=on_event)
+    report = build_report(box, prepared.profile, prepared.plan, result, verify_data(result, box),
+                          prepared.probe_seconds)
+    write_report(inventory / "reports", report)
+    return report, result

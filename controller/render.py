@@ -1,0 +1,169 @@
+"""Render a probe and a plan into an Ansible inventory a person can read and diff.
+
+Layout of the inventory folder::
+
+    hosts.yml               every box of the fleet, in groups by OS and (once probed) by GPU shape
+    host_vars/<box>.yml     what the roles install on that box
+    probes/<box>.json       the hardware profile the groups and the plan came from
+    plans/<box>.json        the serving plan, with its reasons
+
+Output is deterministic: the same fleet, profiles and plans give byte-identical files. Secrets are
+never written here; the runner hands them to Ansible in a private file for the length of a run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from controller.catalog import Catalog
+from controller.errors import CatalogError, PlanError
+from controller.fleet import Box, Fleet
+from controller.profile import HardwareProfile
+from controller.serveplan import ServePlan
+
+HEADER = "# Rendered by `controller`; edit the fleet file and re-render rather than this file.\n"
+LINUX_PLATFORM = "linux-x86_64"
+WINDOWS_PLATFORM = "windows-x86_64"
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block style, no aliases: the output is read by people."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def _yaml(data: Any) -> str:
+    return HEADER + yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1000)
+
+
+def _write(path: Path, text: str) -> None:
+    """Replace a file atomically so a reader never sees half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def connection_vars(box: Box) -> dict[str, Any]:
+    if box.transport == "local":
+        return {"ansible_connection": "local"}
+    out: dict[str, Any] = {"ansible_host": box.address, "ansible_port": box.effective_port, "ansible_user": box.user}
+    if box.transport == "winrm":
+        out |= {
+            "ansible_connection": "winrm",
+            "ansible_winrm_scheme": box.winrm_scheme,
+            "ansible_winrm_transport": box.winrm_transport,
+            "ansible_winrm_server_cert_validation": "ignore" if box.winrm_insecure_skip_verify else "validate",
+        }
+    elif box.key is not None:
+        out["ansible_ssh_private_key_file"] = str(box.key.expanduser())
+    return out
+
+
+def host_vars(box: Box, plan: ServePlan, catalog: Catalog) -> dict[str, Any]:
+    """What the roles need to install and run the plan on this box."""
+    if not plan.services:
+        raise PlanError(f"box {box.name}: the plan places no service; nothing to provision")
+    platform = WINDOWS_PLATFORM if box.os == "windows" else LINUX_PLATFORM
+    engines: dict[str, dict[str, Any]] = {}
+    models: dict[str, dict[str, Any]] = {}
+    for service in plan.services:
+        engine = catalog.engine(service.engine)
+        if engine.id not in engines:
+            pack = engine.pack(platform)
+            if not box.mirror.engines:
+                raise CatalogError(
+                    f"box {box.name}: engine {engine.id} needs a download address; set mirror.engines in the "
+                    f"fleet file to the folder holding {pack.file} and its SHA256SUMS"
+                )
+            base = box.mirror.engines.rstrip("/")
+            engines[engine.id] = {
+                "name": engine.slot,
+                "version": engine.commit,
+                "url": f"{base}/{pack.file}",
+                "sha256": pack.sha256 or "",
+                "sha256sums_url": "" if pack.sha256 else f"{base}/SHA256SUMS",
+            }
+        model = catalog.model(service.model)
+        if not model.sha256:
+            raise CatalogError(
+                f"model {model.id}: no sha256 pinned; add it to a catalog file listed under 'catalogs:' in the "
+                f"fleet file (the hub shows each file's SHA256 on its page)"
+            )
+        models.setdefault(model.file, {
+            "name": model.file,
+            "url": model.url(box.mirror.models),
+            "sha256": model.sha256,
+            "size": model.size_bytes,
+        })
+    return {
+        "ansible_python_interpreter": "/usr/bin/python3" if box.os == "linux" else None,
+        "llama_engine_packs": list(engines.values()),
+        "gguf_model_dir": box.effective_model_dir,
+        "gguf_model_files": list(models.values()),
+        "llama_service_bind": box.bind,
+        "llama_service_instances": [
+            {
+                "name": service.name,
+                "model": service.model,
+                "engine": catalog.engine(service.engine).slot,
+                "port": service.port,
+                "args": service.args,
+                "env": service.env,
+                "mlock": "--mlock" in service.args or "mlock" in service.args,
+            }
+            for service in plan.services
+        ],
+        "llama_service_templates": sorted({s.template for s in plan.services if s.template}),
+        **box.vars,
+    }
+
+
+def hosts_yml(fleet: Fleet, profiles: dict[str, HardwareProfile]) -> dict[str, Any]:
+    from controller.probe.groups import group_names
+
+    groups: dict[str, dict[str, Any]] = {}
+    for name in sorted(fleet.boxes):
+        box = fleet.boxes[name]
+        names = group_names(profiles[name]) if name in profiles else [box.os]
+        for group in sorted(set(names) | {box.os}):
+            groups.setdefault(group, {"hosts": {}})["hosts"][name] = connection_vars(box) if group == box.os else {}
+    return {"all": {"children": {group: groups[group] for group in sorted(groups)}}}
+
+
+def load_profiles(inventory: Path) -> dict[str, HardwareProfile]:
+    profiles = {}
+    for path in sorted((inventory / "probes").glob("*.json")):
+        profiles[path.stem] = HardwareProfile.model_validate_json(path.read_text())
+    return profiles
+
+
+def render_box(inventory: Path, fleet: Fleet, box: Box, profile: HardwareProfile, plan: ServePlan,
+               catalog: Catalog) -> list[Path]:
+    """Write this box's probe, plan and host_vars, then hosts.yml for the whole fleet."""
+    written = []
+    files = {
+        inventory / "probes" / f"{box.name}.json": json.dumps(profile.model_dump(mode="json"), indent=2) + "\n",
+        inventory / "plans" / f"{box.name}.json": json.dumps(plan.model_dump(mode="json"), indent=2) + "\n",
+        inventory / "host_vars" / f"{box.name}.yml": _yaml(
+            {k: v for k, v in host_vars(box, plan, catalog).items() if v is not None}),
+    }
+    for path, text in files.items():
+        _write(path, text)
+        written.append(path)
+    hosts = inventory / "hosts.yml"
+    _write(hosts, _yaml(hosts_yml(fleet, load_profiles(inventory))))
+    written.append(hosts)
+    return written

@@ -1,0 +1,106 @@
+"""The provisioning report handed to whoever gets the box: what was found, planned and verified."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+from typing import Any
+
+from controller.fleet import Box
+from controller.profile import HardwareProfile
+from controller.runner import RunResult
+from controller.serveplan import ServePlan
+
+
+def build_report(box: Box, profile: HardwareProfile, plan: ServePlan, run: RunResult | None,
+                 verify: dict[str, Any], probe_seconds: float) -> dict[str, Any]:
+    services = []
+    for service in plan.services:
+        checked = verify.get(service.name, {})
+        services.append({
+            "name": service.name,
+            "model": service.model,
+            "engine": service.engine,
+            "endpoint": f"http://{service.host}:{service.port}",
+            "gpus": service.gpus,
+            "ctx": service.ctx,
+            "parallel": service.parallel,
+            "verified": bool(checked) and service.model in checked.get("served_ids", [])
+                        and checked.get("openai", {}).get("object") == "chat.completion"
+                        and checked.get("anthropic", {}).get("type") == "message",
+            "health": checked.get("health"),
+            "served_ids": checked.get("served_ids", []),
+            "openai": checked.get("openai"),
+            "anthropic": checked.get("anthropic"),
+            "reasons": service.reasons,
+        })
+    return {
+        "box": box.name,
+        "address": box.address,
+        "generated": dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "hardware": {
+            "gpus": [f"{gpu.index}: {gpu.name} {gpu.memory_mib} MiB" for gpu in profile.gpus],
+            "driver": profile.driver.version,
+            "cpu": profile.cpu.model,
+            "cores": profile.cpu.cores,
+            "memory_mib": profile.memory_mib,
+            "os": f"{profile.os.name or ''} {profile.os.version or ''}".strip(),
+            "warnings": profile.warnings,
+            "probe_seconds": round(probe_seconds, 2),
+        },
+        "run": None if run is None else {
+            "playbook": run.playbook,
+            "status": run.status,
+            "elapsed": round(run.elapsed, 1),
+            "changed": run.changed,
+            "stats": {host: vars(stats) for host, stats in run.stats.items()},
+        },
+        "services": services,
+        "unplaced": [item.model_dump() for item in plan.unplaced],
+        "verified": bool(services) and all(service["verified"] for service in services),
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    hw = report["hardware"]
+    lines = [
+        f"# Box {report['box']} ({report['address']})",
+        "",
+        f"Generated {report['generated']}. Verified: **{'yes' if report['verified'] else 'NO'}**.",
+        "",
+        "## Hardware",
+        f"- GPUs: {', '.join(hw['gpus']) or 'none'}",
+        f"- Driver: {hw['driver'] or 'none'}",
+        f"- CPU: {hw['cpu']} ({hw['cores']} cores), RAM {hw['memory_mib']} MiB, {hw['os']}",
+        *[f"- Warning: {warning}" for warning in hw["warnings"]],
+        "",
+        "## Services",
+    ]
+    for service in report["services"]:
+        openai, anthropic = service.get("openai") or {}, service.get("anthropic") or {}
+        lines += [
+            f"### {service['model']} at {service['endpoint']}",
+            f"- Verified: {'yes' if service['verified'] else 'NO'}; health {service['health']}; "
+            f"serves {', '.join(service['served_ids']) or 'nothing'}",
+            f"- OpenAI API: {openai.get('completion_tokens', 0)} tokens at {openai.get('tokens_per_second', 0)} tok/s",
+            f"- Anthropic API: {anthropic.get('output_tokens', 0)} tokens, stop reason {anthropic.get('stop_reason')}",
+            f"- Engine {service['engine']}, GPUs {service['gpus'] or 'none (CPU)'}, context {service['ctx']}, "
+            f"{service['parallel']} slot(s)",
+            *[f"  - {reason}" for reason in service["reasons"]],
+        ]
+    for item in report["unplaced"]:
+        lines.append(f"- Not placed: {item['model']}: {item['reason']}")
+    if report["run"]:
+        run = report["run"]
+        lines += ["", "## Run", f"- {run['playbook']}: {run['status']} in {run['elapsed']} s, {run['changed']} changed"]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(folder: Path, report: dict[str, Any]) -> tuple[Path, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    json_path = folder / f"{report['box']}.json"
+    md_path = folder / f"{report['box']}.md"
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    md_path.write_text(markdown(report))
+    return json_path, md_path

@@ -1,0 +1,67 @@
+"""Run commands over SSH with fabric (paramiko underneath)."""
+
+from __future__ import annotations
+
+import socket
+
+import paramiko
+from fabric import Connection
+from invoke.exceptions import CommandTimedOut
+
+from controller.errors import TransportError
+from controller.fleet import Box
+from controller.transports.base import CommandResult, Transport
+
+
+class SshTransport(Transport):
+    def __init__(self, box: Box, *, timeout: float = 10.0):
+        super().__init__(box)
+        connect_kwargs: dict[str, object] = {"banner_timeout": timeout, "auth_timeout": timeout}
+        if box.key is not None:
+            connect_kwargs["key_filename"] = str(box.key.expanduser())
+            connect_kwargs["look_for_keys"] = False
+            connect_kwargs["allow_agent"] = False
+        if box.password is not None:
+            connect_kwargs["password"] = box.password.resolve(f"box {box.name} password")
+        self._connection = Connection(
+            host=box.address,
+            port=box.effective_port,
+            user=box.user,
+            connect_timeout=timeout,
+            connect_kwargs=connect_kwargs,
+        )
+        # An unknown host key is accepted: the controller runs read-only commands here and Ansible,
+        # which changes the box, applies the operator's own host-key policy.
+        self._connection.client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+
+    def _open(self) -> None:
+        if self._connection.is_connected:
+            return
+        who = f"{self.where} as {self.box.user}"
+        try:
+            self._connection.open()
+        except paramiko.AuthenticationException:
+            key = f"key {self.box.key}" if self.box.key else "the available keys"
+            raise TransportError(
+                f"{who}: authentication failed with {key}; check 'user' and 'key' for this box in the fleet file"
+            ) from None
+        except FileNotFoundError as exc:
+            raise TransportError(f"{who}: key file not found: {exc.filename}; fix 'key' in the fleet file") from None
+        except (socket.timeout, TimeoutError):
+            raise TransportError(f"{who}: no answer within the timeout; check the address, port and firewall") from None
+        except (OSError, paramiko.SSHException) as exc:
+            reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+            raise TransportError(f"{who}: cannot connect: {reason}; check the address and that sshd runs") from None
+
+    def run(self, command: str, *, timeout: float = 60.0) -> CommandResult:
+        self._open()
+        try:
+            result = self._connection.run(command, hide=True, warn=True, timeout=timeout, in_stream=False)
+        except CommandTimedOut:
+            raise TransportError(f"{self.where}: command did not finish within {timeout:.0f} s") from None
+        except (OSError, paramiko.SSHException) as exc:
+            raise TransportError(f"{self.where}: connection lost: {exc}") from None
+        return CommandResult(result.stdout, result.stderr, result.return_code)
+
+    def close(self) -> None:
+        self._connection.close()

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Install what the controller, its lab and its tests need on a Debian 12 machine, idempotently:
+# Debian packages (podman and debootstrap for the systemd target, a compiler for the CPU engine),
+# then a virtual environment in .venv with the project installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(podman crun debootstrap uidmap cmake ninja-build g++ make curl openssh-client ca-certificates)
+missing=()
+for package in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" || missing+=("$package")
+done
+if ((${#missing[@]})); then
+  if [[ $(id -u) -ne 0 ]]; then sudo=sudo; else sudo=; fi
+  echo "bootstrap: installing ${missing[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+python=${PYTHON:-python3}
+if [[ ! -x .venv/bin/python ]]; then
+  if ! "$python" -m venv .venv 2>/dev/null; then
+    DEBIAN_FRONTEND=noninteractive ${sudo:-} apt-get install -y -qq python3-venv >/dev/null
+    "$python" -m venv .venv
+  fi
+fi
+stamp=.venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)
+if [[ ! -e $stamp ]]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e '.[test,lint]'
+  rm -f .venv/.installed-* && touch "$stamp"
+fi
+echo "bootstrap: ready (.venv/bin/controller, .venv/bin/pytest)"

@@ -1,0 +1,48 @@
+"""Shared fixtures: the real CPU engine, the lab download site, and (via plugins) the systemd target."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["tests.plugins.target"]
+
+SHARED_FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "real"
+IN_CI = os.environ.get("CI") == "true"
+
+
+@pytest.fixture(scope="session")
+def engine_dir() -> Path:
+    """The cached CPU llama-server build (built on first use: minutes on two cores)."""
+    from controller.lab.engine_build import build
+
+    if shutil.which("cmake") is None:
+        pytest.fail("cmake is not installed; run ./scripts/bootstrap.sh")
+    return build()
+
+
+@pytest.fixture(scope="session")
+def llama_server(engine_dir: Path) -> Path:
+    return engine_dir / "llama-server"
+
+
+@pytest.fixture(scope="session")
+def lab_site(tmp_path_factory, engine_dir) -> tuple[Path, Path]:
+    """A download site with the engine pack and the demo model; returns (root, catalog file)."""
+    from controller.lab.site import build_site
+
+    root = tmp_path_factory.mktemp("site")
+    return root, build_site(root)
+
+
+@pytest.fixture(scope="session")
+def real_fixtures() -> Path:
+    """Public nvidia-smi and llama.cpp outputs kept beside the project (../shared/fixtures/real)."""
+    if not SHARED_FIXTURES.is_dir():
+        if IN_CI:
+            pytest.fail(f"{SHARED_FIXTURES} is missing; CI runs with shared/ beside the clone")
+        pytest.skip("../shared/fixtures/real is not beside this clone")
+    return SHARED_FIXTURES

@@ -1,0 +1,113 @@
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from controller.catalog import load_catalog
+from controller.errors import CatalogError, PlanError
+from controller.fleet import parse_fleet
+from controller.planner import plan_box
+from controller.profile import Cpu, Gpu, HardwareProfile, OsInfo
+from controller.render import render_box
+
+SHA = "cd" * 32
+
+
+@pytest.fixture
+def catalog(tmp_path):
+    extra = tmp_path / "catalog.yml"
+    extra.write_text(yaml.safe_dump({"models": {
+        "gemma4-26b-a4b-qat-q4_0": {
+            "name": "g", "repo": "google/gemma-4-26B-A4B-it-qat-q4_0-gguf", "file": "gemma-4-26B_q4_0-it.gguf",
+            "size_bytes": 14388140032, "sha256": SHA, "engine": "upstream", "template": "gemma4-nothink.jinja"},
+        "tiny": {"name": "t", "repo": "lab/r", "file": "t.gguf", "size_bytes": 1000, "sha256": SHA,
+                 "engine": "upstream"},
+    }}))
+    return load_catalog([extra])
+
+
+def fleet(tmp_path, **box):
+    data = {"boxes": {"box1": {"address": "127.0.0.1", "mirror": {"engines": "http://127.0.0.1:1/engines",
+                                                                  "models": "http://127.0.0.1:1"}, **box}}}
+    return parse_fleet(data, tmp_path / "fleet.yml")
+
+
+def v100_profile(memory_mib=16384):
+    return HardwareProfile(
+        gpus=[Gpu(index=0, name="Tesla V100-PCIE-16GB", memory_mib=memory_mib, compute_capability="7.0")],
+        cpu=Cpu(model="Xeon", cores=12, threads=24), memory_mib=65536, os=OsInfo(family="linux"))
+
+
+CPU_PROFILE = HardwareProfile(cpu=Cpu(model="EPYC", cores=2, threads=4), memory_mib=8192, os=OsInfo(family="linux"))
+
+
+def test_cpu_box_gets_the_cpu_engine_with_one_thread_per_core(tmp_path, catalog):
+    f = fleet(tmp_path, models=[{"id": "tiny", "ctx": 2048}], base_port=18080)
+    plan = plan_box(f.box("box1"), CPU_PROFILE, catalog)
+    (service,) = plan.services
+    assert plan.fits and service.engine == "cpu-0c1e570" and service.gpus == [] and service.threads == 2
+    assert service.args[:2] == ["--model", "/var/lib/llama/models/t.gguf"]
+    assert ["--port", "18080"] == service.args[service.args.index("--port"):][:2]
+    assert "--alias" in service.args and service.args[service.args.index("--alias") + 1] == "tiny"
+    assert service.args[-2:] == ["--load-mode", "mmap"]  # the CPU build's flag, not --no-mmap
+
+
+def test_v100_box_pins_the_model_to_one_gpu(tmp_path, catalog):
+    f = fleet(tmp_path, models=[{"id": "gemma4-26b-a4b-qat-q4_0"}])
+    (service,) = plan_box(f.box("box1"), v100_profile(), catalog).services
+    assert service.engine == "upstream-02182fc" and service.gpus == [0] and service.env == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert service.threads == 6 and service.n_gpu_layers == 99 and service.cache_type_k == "q8_0"
+    assert "--chat-template-file" in service.args and "--jinja" in service.args
+
+
+def test_model_too_big_for_every_gpu_is_unplaced_with_numbers(tmp_path, catalog):
+    f = fleet(tmp_path, models=[{"id": "gemma4-26b-a4b-qat-q4_0"}])
+    plan = plan_box(f.box("box1"), v100_profile(memory_mib=8192), catalog)
+    assert not plan.fits and plan.services == []
+    assert "13722 MiB weights" in plan.unplaced[0].reason and "8192 MiB" in plan.unplaced[0].reason
+
+
+def test_no_models_wanted_is_an_error(tmp_path, catalog):
+    with pytest.raises(PlanError, match="no models wanted"):
+        plan_box(fleet(tmp_path).box("box1"), CPU_PROFILE, catalog)
+
+
+def test_render_is_deterministic_and_holds_no_secrets(tmp_path, catalog, monkeypatch):
+    monkeypatch.setenv("BOX_API_KEY", "sk-never-in-the-inventory-0123")
+    f = fleet(tmp_path, models=[{"id": "tiny"}], bind="0.0.0.0", api_key={"env": "BOX_API_KEY"},
+              key="/root/.ssh/id_ed25519", port=2222)
+    box = f.box("box1")
+    plan = plan_box(box, CPU_PROFILE, catalog)
+    first = {p.name: p.read_bytes() for p in render_box(tmp_path / "inv", f, box, CPU_PROFILE, plan, catalog)}
+    second = {p.name: p.read_bytes() for p in render_box(tmp_path / "inv", f, box, CPU_PROFILE, plan, catalog)}
+    assert first == second
+    everything = b"".join(first.values())
+    assert b"sk-never-in-the-inventory" not in everything
+    host_vars = yaml.safe_load(first["box1.yml"])
+    assert host_vars["llama_engine_packs"] == [{
+        "name": "cpu", "version": "0c1e570",
+        "url": "http://127.0.0.1:1/engines/llama-cpu-0c1e570-linux-x86_64.tar.gz", "sha256": "",
+        "sha256sums_url": "http://127.0.0.1:1/engines/SHA256SUMS"}]
+    assert host_vars["gguf_model_files"][0]["url"] == "http://127.0.0.1:1/lab/r/resolve/main/t.gguf"
+    assert host_vars["llama_service_bind"] == "0.0.0.0"
+    hosts = yaml.safe_load(first["hosts.yml"])
+    assert hosts["all"]["children"]["linux"]["hosts"]["box1"] == {
+        "ansible_host": "127.0.0.1", "ansible_port": 2222, "ansible_user": "root",
+        "ansible_ssh_private_key_file": "/root/.ssh/id_ed25519"}
+    assert "box1" in hosts["all"]["children"]["cpu_only"]["hosts"]
+    assert json.loads(first["box1.json"]) in (plan.model_dump(mode="json"), CPU_PROFILE.model_dump(mode="json"))
+
+
+def test_render_refuses_models_without_checksum_and_engines_without_mirror(tmp_path):
+    catalog = load_catalog()
+    f = fleet(tmp_path, models=[{"id": "gemma4-26b-a4b-qat-q4_0"}])
+    box = f.box("box1")
+    plan = plan_box(box, v100_profile(), catalog)
+    with pytest.raises(CatalogError, match="no sha256 pinned"):
+        render_box(tmp_path / "inv", f, box, v100_profile(), plan, catalog)
+    nomirror = parse_fleet({"boxes": {"box1": {"address": "127.0.0.1", "models": [{"id": "gemma4-26b-a4b-qat-q4_0"}]}}},
+                           tmp_path / "f.yml")
+    with pytest.raises(CatalogError, match="set mirror.engines"):
+        render_box(tmp_path / "inv2", nomirror, nomirror.box("box1"), v100_profile(), plan, catalog)
+    assert not (tmp_path / "inv2" / "hosts.yml").exists()
