@@ -148,7 +148,7 @@ def _register_optional_commands() -> None:
 def main() -> None:
     _register_optional_commands()
     try:
-        cli(standalone_mode=False)
+        code = cli(standalone_mode=False)  # returns ctx.exit()'s code instead of exiting
     except click.exceptions.Abort:
         err_console.print("aborted")
         sys.exit(130)
@@ -162,3 +162,4 @@ def main() -> None:
         raise
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from controller.catalog import Catalog, load_catalog
-from controller.errors import PlanError, ProbeError
+from controller.errors import FleetError, PlanError, ProbeError
 from controller.fleet import Box, Fleet
 from controller.planner import plan_box
 from controller.profile import HardwareProfile
@@ -59,7 +59,9 @@ def prepare(fleet: Fleet, box_name: str, inventory: Path) -> Prepared:
     box = fleet.box(box_name)
     catalog = load_catalog(fleet.catalogs)
     for wanted in box.models:  # fail on an unknown id before touching the network
-        catalog.model(wanted.id)
+        if wanted.id not in catalog.models:
+            known = ", ".join(sorted(catalog.models))
+            raise FleetError(f"{fleet.source}: box {box.name!r}: unknown model id {wanted.id!r}; the catalog has: {known}")
     profile, _raw, seconds = probe_box(box)
     check_driver(box, profile)
     plan = plan_box(box, profile, catalog)

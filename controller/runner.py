@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -83,7 +84,10 @@ def _environ_without(values: set[str]) -> Iterator[None]:
 
 
 def base_env() -> dict[str, str]:
+    # ansible-playbook lives beside this interpreter (a venv's bin/), which need not be on PATH.
+    bin_dir = str(Path(sys.executable).parent)
     return {
+        "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "/usr/bin:/bin")]),
         "ANSIBLE_CONFIG": str(PROJECT_ROOT / "ansible.cfg"),
         "ANSIBLE_ROLES_PATH": str(PROJECT_ROOT / "roles"),
         "ANSIBLE_LIBRARY": str(PROJECT_ROOT / "plugins" / "modules"),
@@ -146,12 +150,14 @@ def run_playbook(
             with os.fdopen(fd, "w") as handle:
                 yaml.safe_dump(dict(secrets), handle)
             cmdline = ["-e", f"@{secrets_file}"]
+        data_dir = Path(private) / "data"
+        data_dir.mkdir()
         runner = ansible_runner.run(
-            private_data_dir=str(Path(private) / "data"),
+            private_data_dir=str(data_dir),
             artifact_dir=str(artifact_root),
             rotate_artifacts=20,
             playbook=str(path),
-            inventory=str(inventory.resolve()),
+            inventory=str((inventory / "hosts.yml").resolve()),
             limit=limit,
             extravars=dict(extravars or {}),
             cmdline=shlex.join(cmdline) if cmdline else None,

@@ -6,44 +6,19 @@ Probing never changes a host: every command is read-only, and a command whose to
 
 from __future__ import annotations
 
-import re
-import shlex
 import time
-from collections.abc import Mapping
 
 from controller.errors import ProbeError
 from controller.fleet import Box
 from controller.profile import HardwareProfile
 from controller.transports import Transport, open_transport
 
-_MARKER = "::v100box-probe::"
-_MARKER_LINE = re.compile(rf"^{re.escape(_MARKER)}(\S+)\r?$", re.MULTILINE)
-
-
-def linux_script(commands: Mapping[str, str], model_dir: str) -> str:
-    """One POSIX shell script that prints each command's output after a marker line naming it."""
-    parts = []
-    for name, command in commands.items():
-        filled = command.replace("{model_dir}", shlex.quote(model_dir))
-        parts.append(f"echo '{_MARKER}{name}'; ( {filled} ) 2>/dev/null")
-    return "LC_ALL=C; export LC_ALL\n" + "\n".join(parts) + "\nexit 0\n"
-
-
-def split_sections(stdout: str) -> dict[str, str]:
-    """Inverse of the script: {name: output} for every marker seen."""
-    sections: dict[str, str] = {}
-    matches = list(_MARKER_LINE.finditer(stdout))
-    for match, following in zip(matches, matches[1:] + [None]):
-        end = following.start() if following else len(stdout)
-        sections[match.group(1)] = stdout[match.end() + 1 : end]
-    return sections
-
 
 def collect_linux(transport: Transport, model_dir: str) -> dict[str, str]:
-    from controller.probe.parse import LINUX_PROBE_COMMANDS
+    from controller.probe.commands import linux_probe_script, split_probe_output
 
-    result = transport.run(linux_script(LINUX_PROBE_COMMANDS, model_dir), timeout=60)
-    sections = split_sections(result.stdout)
+    result = transport.run(linux_probe_script(model_dir), timeout=60)
+    sections = split_probe_output(result.stdout)
     if not sections:
         raise ProbeError(
             f"{transport.where}: the probe script printed nothing usable (exit {result.rc}): "

@@ -1,0 +1,113 @@
+"""``controller probe``: the --from-dir contract, exit codes, and the live path ending in the same output."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import types
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from controller.cli_probe import probe
+from controller.probe import parse_outputs
+from tests.unit.probe.helpers import WRITTEN, machine
+
+CONTRACT_GPU_KEYS = {"index", "uuid", "name", "memory_mib", "compute_capability", "pci_bus_id", "serial"}
+
+
+def _invoke(*args: str):
+    return CliRunner().invoke(probe, list(args), catch_exceptions=False)
+
+
+def test_from_dir_json_has_the_contract_fields() -> None:
+    result = _invoke("--from-dir", str(WRITTEN / "twelve-v100-threadripper"), "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert CONTRACT_GPU_KEYS <= set(data["gpus"][0])
+    assert data["gpus"][0]["compute_capability"] == "7.0"
+    assert data["driver"] == {"version": "580.95.05", "cuda_version": "13.0", "model": None}
+    assert [0, 1, 6] in data["nvlink"]["pairs"]
+    assert data["boards"] == [[0, 1], [2, 3], [4, 5, 8, 9], [6, 7, 10, 11]]
+    assert data["cpu"]["cores"] == 32 and data["cpu"]["avx2"] is True and data["cpu"]["avx512"] is False
+    assert data["memory_mib"] == 257594
+    assert data["os"] == {"family": "linux", "name": "Ubuntu", "version": "22.04", "wsl": False}
+    assert data["warnings"] == []
+
+
+def test_from_dir_summary_for_a_person() -> None:
+    result = _invoke("--from-dir", str(WRITTEN / "dual-v100-nvlink-windows-tcc"))
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "Tesla V100-SXM2-16GB" in out
+    assert "driver: 573.96 (CUDA 12.8, TCC)" in out
+    assert "NVLink: 0-1 NV2" in out
+    assert "boards: {0,1}" in out
+    assert "groups: windows, dual_nvlink" in out
+
+
+def test_summary_shows_warnings() -> None:
+    result = _invoke("--from-dir", str(WRITTEN / "cut-short-table"))
+    assert result.exit_code == 0
+    assert "warning: nvidia-smi.txt line 15: the table ends before GPU 1's usage line" in result.stdout
+
+
+def test_nothing_usable_exits_2_with_one_line(tmp_path: Path) -> None:
+    (tmp_path / "nvidia-smi.txt").write_bytes(bytes(range(256)) * 20)
+    result = _invoke("--from-dir", str(tmp_path), "--json")
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert result.stderr.startswith(f"Error: nothing usable was parsed from {tmp_path}")
+    assert "nvidia-smi.txt: is not text" in result.stderr
+
+
+def test_empty_or_missing_dir_exits_2(tmp_path: Path) -> None:
+    empty = _invoke("--from-dir", str(tmp_path))
+    assert empty.exit_code == 2 and "none of the probe files is there" in empty.stderr
+    missing = _invoke("--from-dir", str(tmp_path / "nope"))
+    assert missing.exit_code == 2 and "not a folder" in missing.stderr
+
+
+def test_box_or_from_dir_not_both_and_box_needs_a_fleet(tmp_path: Path) -> None:
+    both = _invoke("box3", "--from-dir", str(tmp_path))
+    assert both.exit_code == 2 and "either BOX" in both.output
+    no_fleet = _invoke("box3")
+    assert no_fleet.exit_code == 2 and "add --fleet FILE" in no_fleet.stderr
+
+
+def test_live_probe_path_prints_the_same_as_from_dir(tmp_path: Path, monkeypatch) -> None:
+    fleet = tmp_path / "fleet.yml"
+    fleet.write_text("boxes:\n  box3:\n    address: 192.0.2.10\n")
+    seen = []
+
+    def probe_box(box):  # the transport boundary: what the lead's collect module returns
+        seen.append(box.name)
+        outputs = machine("single-v100-16g-linux")
+        return parse_outputs(outputs), outputs, 0.2
+
+    monkeypatch.setitem(sys.modules, "controller.probe.collect",
+                        types.SimpleNamespace(probe_box=probe_box))
+    folder = tmp_path / "captured"
+    shutil.copytree(WRITTEN / "single-v100-16g-linux", folder)
+    live = _invoke("box3", "--fleet", str(fleet), "--json")
+    offline = _invoke("--from-dir", str(folder), "--json")
+    assert seen == ["box3"]
+    assert live.exit_code == offline.exit_code == 0
+    assert live.stdout == offline.stdout
+
+
+def test_unknown_box_is_a_fleet_error(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.yml"
+    fleet.write_text("boxes:\n  box3:\n    address: 192.0.2.10\n")
+    result = _invoke("box9", "--fleet", str(fleet))
+    assert result.exit_code == 2
+    assert "no box named 'box9' (boxes: box3)" in result.stderr
+
+
+def test_a_short_junk_cpuinfo_is_not_evidence_of_linux(tmp_path: Path) -> None:
+    (tmp_path / "cpuinfo").write_bytes(b"\x00\x01\x02garbage\xff\n")
+    result = _invoke("--from-dir", str(tmp_path))
+    assert result.exit_code == 2
+    assert "cpuinfo: no 'processor' entries found" in result.stderr
