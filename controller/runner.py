@@ -147,8 +147,8 @@ def run_playbook(
         if secrets:
             secrets_file = Path(private) / "secrets.yml"
             fd = os.open(secrets_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as handle:
-                yaml.safe_dump(dict(secrets), handle)
+            with os.fdopen(fd, "w") as secrets_out:
+                yaml.safe_dump(dict(secrets), secrets_out)
             cmdline = ["-e", f"@{secrets_file}"]
         data_dir = Path(private) / "data"
         data_dir.mkdir()

@@ -1,0 +1,15 @@
+"""Memory-fit estimation for llama.cpp servers: GGUF header reader, model facts, memory model.
+
+``read_header`` (local path or http(s) URL, header only) -> ``model_spec`` -> ``resolve_settings``
+(the engine's defaults) -> ``estimate`` (weights, KV and compute per device). The planner uses
+``largest_fitting_context`` to find the biggest context a device budget allows.
+"""
+
+from controller.estimate.gguf_header import GGUFHeader, GGUFHeaderError, read_header
+from controller.estimate.memory import Estimate, Settings, estimate, largest_fitting_context, resolve_settings
+from controller.estimate.model import ModelSpec, model_spec
+
+__all__ = [
+    "Estimate", "GGUFHeader", "GGUFHeaderError", "ModelSpec", "Settings", "estimate", "largest_fitting_context",
+    "model_spec", "read_header", "resolve_settings",
+]

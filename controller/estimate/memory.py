@@ -1,0 +1,519 @@
+"""Predict the memory a llama.cpp server will allocate, per device, from a GGUF header alone.
+
+Three buffers dominate and each follows a rule read from the engine's source (llama.cpp 0c1e570,
+the CPU test build, and ik_llama.cpp where it differs):
+
+* weights: every tensor's bytes, placed where the loader puts it — the token embeddings with the
+  input layer (always CPU), blocks by ``-ngl`` and the split mode, the output layer on the GPU only
+  when ``-ngl`` covers it, routed experts on the CPU with ``--cpu-moe``;
+* KV cache: per layer kind — full attention for the whole context, sliding-window layers sized by
+  the window on upstream (its iSWA cache) but not on ik_llama.cpp, recurrent layers a fixed state
+  per sequence, MLA a single compressed K; cells rounded up to 256; one stream (unified) or one per
+  sequence; quantised cache types by their block size;
+* compute: the worst-case graph of one micro-batch (ubatch tokens against the full cache), whose
+  peak is set by the logits, the attention scores (or flash-attention tiles) and the FFN.
+
+GPUs also carry the CUDA context and cuBLAS workspaces, which no GGUF describes: a fixed
+per-device overhead is added so that a plan leaves room for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from controller.estimate.model import (
+    Layer,
+    ModelSpec,
+    cache_type,
+    is_expert_tensor,
+    is_input_tensor,
+    tensor_layer,
+)
+
+MIB = 1024 * 1024
+KV_PAD = 256  # llama.cpp pads the context and the SWA cache to 256 cells (llama-context.cpp, llama-kv-cache-iswa.cpp)
+IK_PAD_FA, IK_PAD_NO_FA = 256, 32  # ik_llama.cpp pads the cache to 256 cells with flash attention, 32 without
+TENSOR_ALIGN = 32  # GGUF tensor data alignment; mapped CPU weights include it
+CUDA_OVERHEAD_MIB = 400.0  # CUDA context + cuBLAS workspace per device on a V100 (observed 300-450 MiB)
+ENGINES = ("upstream", "ik")
+SPLIT_MODES = ("none", "layer", "tensor")
+
+
+class EstimateInputError(ValueError):
+    """Settings that the engine itself would reject (bad cache type, mismatched GPU lists)."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Server settings after the engine's defaults are applied (what the server would actually use)."""
+
+    engine: str
+    ctx: int
+    parallel: int
+    kv_unified: bool
+    cache_type_k: str
+    cache_type_v: str
+    ubatch: int
+    batch: int
+    flash_attn: bool
+    gpus: tuple[int, ...]
+    gpu_mem_mib: tuple[float, ...]
+    split_mode: str
+    n_gpu_layers: int
+    cpu_moe: bool
+    cpu_repack: bool = True
+
+
+def resolve_settings(
+    spec: ModelSpec,
+    *,
+    engine: str = "upstream",
+    ctx: int | None = None,
+    parallel: int | None = None,
+    kv_unified: bool | None = None,
+    cache_type_k: str = "f16",
+    cache_type_v: str = "f16",
+    ubatch: int | None = None,
+    batch: int | None = None,
+    flash_attn: str | bool | None = None,
+    gpus: tuple[int, ...] | list[int] = (),
+    gpu_mem_mib: tuple[float, ...] | list[float] = (),
+    split_mode: str = "layer",
+    n_gpu_layers: int | None = None,
+    cpu_moe: bool = False,
+    cpu_repack: bool = True,
+) -> Settings:
+    """Fill unset options with the engine's defaults for the pinned versions.
+
+    Upstream llama-server (0c1e570, tools/server/server.cpp): with ``--parallel`` unset it runs
+    4 slots over one unified KV cache; an explicit ``--parallel`` keeps per-slot caches unless
+    ``--kv-unified`` is given. ``-c 0``/unset means the training context. Flash attention
+    ``auto`` resolves to on for the CPU and CUDA backends. ik_llama.cpp (common.h): 1 slot, one
+    cache shared by all slots, flash attention on.
+    """
+    if engine not in ENGINES:
+        raise EstimateInputError(f"engine {engine!r} is not one of {', '.join(ENGINES)}")
+    if split_mode not in SPLIT_MODES:
+        raise EstimateInputError(f"split mode {split_mode!r} is not one of {', '.join(SPLIT_MODES)}")
+    for name in (cache_type_k, cache_type_v):
+        try:
+            cache_type(name)
+        except ValueError as exc:
+            raise EstimateInputError(str(exc)) from None
+    gpus = tuple(gpus)
+    mem = tuple(float(m) for m in gpu_mem_mib)
+    if mem and len(mem) != len(gpus):
+        raise EstimateInputError(f"--gpu-mem-mib has {len(mem)} values for {len(gpus)} GPUs; give one per GPU")
+    if engine == "upstream":
+        if parallel is None:
+            parallel, unified = 4, True if kv_unified is None else kv_unified
+        else:
+            unified = bool(kv_unified)
+    else:
+        parallel, unified = parallel or 1, True
+    if flash_attn is None or flash_attn == "auto":
+        fa = True
+    else:
+        fa = flash_attn in (True, "on", "1", "true")
+    n_ctx = ctx if ctx else spec.n_ctx_train
+    batch = batch or 2048
+    return Settings(
+        engine=engine, ctx=n_ctx, parallel=max(parallel, 1), kv_unified=unified,
+        cache_type_k=cache_type_k.lower(), cache_type_v=cache_type_v.lower(), ubatch=ubatch or 512, batch=batch,
+        flash_attn=fa, gpus=gpus, gpu_mem_mib=mem, split_mode=split_mode,
+        n_gpu_layers=(spec.n_layer_all + 1 if gpus else 0) if n_gpu_layers is None or n_gpu_layers < 0 else n_gpu_layers,
+        cpu_moe=cpu_moe, cpu_repack=cpu_repack,
+    )
+
+
+def row_bytes(qtype: GGMLQuantizationType, width: int) -> int:
+    """Bytes of one row of ``width`` elements in a (possibly block-quantised) type."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    if width % block:
+        raise EstimateInputError(f"a {qtype.name} cache needs head widths divisible by {block}; this model has {width}")
+    return width // block * size
+
+
+def _pad(value: int, to: int) -> int:
+    return -(-value // to) * to
+
+
+# ---------------------------------------------------------------- layer placement
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Device index (into the device list, CPU last) of each block, the output layer and the input layer."""
+
+    devices: list[str]
+    layer_device: list[int]
+    output_device: int
+    cpu: int
+    shares: list[float]  # fraction of each split tensor per GPU (split mode tensor)
+
+
+def place_layers(spec: ModelSpec, s: Settings) -> Placement:
+    """Assign blocks to devices as llama_model::load_tensors does.
+
+    The last ``-ngl`` of the n_layer+1 slots (blocks, then the output layer) go to the GPUs; with
+    split mode layer the GPU slots are cut in proportion to each GPU's memory (the engine uses free
+    memory, or ``--tensor-split``), with split mode none they all go to the first GPU.
+    """
+    names = [f"CUDA{k}" for k in range(len(s.gpus))] + ["CPU"]
+    cpu = len(names) - 1
+    n_all = spec.n_layer_all
+    if not s.gpus:
+        return Placement(names, [cpu] * n_all, cpu, cpu, [])
+    weights = list(s.gpu_mem_mib) if s.gpu_mem_mib else [1.0] * len(s.gpus)
+    total = sum(weights)
+    shares = [w / total for w in weights]
+    cumulative = [sum(shares[: k + 1]) for k in range(len(shares))]
+    n_gpu = min(s.n_gpu_layers, n_all + 1)
+    start = n_all + 1 - n_gpu
+
+    def device_of(il: int) -> int:
+        if il < start or n_gpu <= 0:
+            return cpu
+        if s.split_mode == "none" or len(s.gpus) == 1:
+            return 0
+        frac = (il - start) / n_gpu
+        for k, edge in enumerate(cumulative):
+            if frac < edge:
+                return k
+        return len(s.gpus) - 1
+
+    return Placement(names, [device_of(il) for il in range(n_all)], device_of(n_all), cpu, shares)
+
+
+def _spread(amount: float, device: int, place: Placement, s: Settings, per_device: list[float]) -> None:
+    """Add ``amount`` to a device, or across all GPUs by share when split mode tensor splits it."""
+    if s.split_mode == "tensor" and device != place.cpu and len(s.gpus) > 1:
+        for k, share in enumerate(place.shares):
+            per_device[k] += amount * share
+    else:
+        per_device[device] += amount
+
+
+# ---------------------------------------------------------------- weights
+
+
+# Weight types the CPU backend repacks into an interleaved copy on x86 with AVX2 (the kit's CPU
+# floor), when a matrix has a multiple of 8 rows (ggml-cpu/repack.cpp, optimal repack type).
+CPU_REPACK_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.IQ4_NL,
+                    GGMLQuantizationType.MXFP4}
+
+
+def _repacked(tensor_type: int, shape: tuple[int, ...], name: str) -> bool:
+    try:
+        qtype = GGMLQuantizationType(tensor_type)
+    except ValueError:
+        return False
+    return qtype in CPU_REPACK_TYPES and len(shape) in (2, 3) and shape[1] % 8 == 0 and not is_input_tensor(name)
+
+
+def weights_per_device(spec: ModelSpec, s: Settings, place: Placement) -> list[float]:
+    """Bytes of weights on each device (CPU last), padded as the loader maps them.
+
+    CPU-resident matrices of the repackable types also get an interleaved copy (the
+    ``CPU_REPACK`` buffer) while the mapped file stays mapped, so they count twice on the CPU.
+    """
+    per_device = [0.0] * len(place.devices)
+    embd = 0
+    for tensor in spec.tensors:
+        size = _pad(tensor.nbytes, TENSOR_ALIGN)
+        layer = tensor_layer(tensor.name)
+        if is_input_tensor(tensor.name):
+            per_device[place.cpu] += size
+            if tensor.name == "token_embd.weight":
+                embd = size
+            continue
+        if layer is None:
+            device = place.output_device
+        elif s.cpu_moe and is_expert_tensor(tensor.name):
+            device = place.cpu
+        else:
+            device = place.layer_device[layer] if layer < len(place.layer_device) else place.output_device
+        _spread(size, device, place, s, per_device)
+        if device == place.cpu and s.cpu_repack and _repacked(tensor.ggml_type, tensor.shape, tensor.name):
+            per_device[place.cpu] += tensor.nbytes
+    if spec.tied_embeddings and embd and place.output_device != place.cpu:
+        # The output layer reuses the embedding matrix; offloaded, it is a second copy on the GPU.
+        _spread(embd, place.output_device, place, s, per_device)
+    return per_device
+
+
+# ---------------------------------------------------------------- KV cache
+
+
+@dataclass
+class KVPlan:
+    """Cells and bytes of the KV cache (and recurrent state) the context will allocate."""
+
+    cells: int
+    swa_cells: int
+    streams: int
+    layers: int
+    swa_layers: int
+    recurrent_layers: int
+    bytes_per_token: int
+    total_bytes: int
+    per_device: list[float]
+    recurrent_bytes: int
+
+
+def kv_cells(spec: ModelSpec, s: Settings) -> tuple[int, int, int]:
+    """(cells per stream, SWA cells per stream, streams) as llama_context and the caches compute them."""
+    if s.engine == "ik":
+        pad = IK_PAD_FA if s.flash_attn else IK_PAD_NO_FA
+        cells = _pad(s.ctx, pad)
+        return cells, cells, 1  # ik_llama.cpp has no iSWA cache: SWA layers get the full context
+    n_ctx = _pad(s.ctx, KV_PAD)
+    if s.kv_unified:
+        cells, streams = n_ctx, 1
+    else:
+        cells, streams = _pad(n_ctx // s.parallel, KV_PAD), s.parallel
+    n_ubatch = min(s.ubatch, s.batch, n_ctx)
+    swa = _pad(min(cells, spec.n_swa * (s.parallel if s.kv_unified else 1) + n_ubatch), KV_PAD)
+    return cells, swa, streams
+
+
+def _layer_kv_bytes_per_cell(layer: Layer, spec: ModelSpec, s: Settings, v_width_max: int) -> int:
+    k_type, v_type = cache_type(s.cache_type_k), cache_type(s.cache_type_v)
+    mla = spec.mla or (s.engine == "ik" and spec.arch.startswith("deepseek") and _ik_mla_width(spec) > 0)
+    if mla:
+        width = _ik_mla_width(spec) if not spec.mla else layer.k_width
+        return row_bytes(k_type, width)
+    # Without flash attention V is stored transposed and padded to the widest layer.
+    v_width = layer.v_width if s.flash_attn else v_width_max
+    return row_bytes(k_type, layer.k_width) + row_bytes(v_type, v_width)
+
+
+def _ik_mla_width(spec: ModelSpec) -> int:
+    """ik_llama.cpp's MLA cache holds the compressed latent plus the rope part (kv_lora_rank + n_rot)."""
+    return spec.kv_lora_rank + spec.n_rot if spec.kv_lora_rank else 0
+
+
+def kv_plan(spec: ModelSpec, s: Settings, place: Placement) -> KVPlan:
+    """Bytes of K/V per device for the main context (MTP heads have their own, smaller, context)."""
+    cells, swa_cells, streams = kv_cells(spec, s)
+    per_device = [0.0] * len(place.devices)
+    attn = [layer for layer in spec.layers if layer.kind in ("full", "swa")]
+    v_width_max = max((layer.v_width for layer in attn), default=0)
+    total = bytes_per_token = 0
+    for layer in attn:
+        per_cell = _layer_kv_bytes_per_cell(layer, spec, s, v_width_max)
+        n = swa_cells if layer.kind == "swa" else cells
+        size = per_cell * n * streams
+        if layer.kind == "full" or s.engine == "ik":
+            bytes_per_token += per_cell
+        total += size
+        _spread(size, place.layer_device[layer.index], place, s, per_device)
+    recurrent = [layer for layer in spec.layers if layer.kind == "recurrent"]
+    state_bytes = 0
+    for layer in recurrent:
+        size = (spec.recurrent_r + spec.recurrent_s) * 4 * s.parallel
+        state_bytes += size
+        _spread(size, place.layer_device[layer.index], place, s, per_device)
+    return KVPlan(
+        cells=cells, swa_cells=swa_cells if any(layer.kind == "swa" for layer in attn) else 0, streams=streams,
+        layers=len(attn), swa_layers=sum(1 for layer in attn if layer.kind == "swa"),
+        recurrent_layers=len(recurrent), bytes_per_token=bytes_per_token, total_bytes=total + state_bytes,
+        per_device=per_device, recurrent_bytes=state_bytes,
+    )
+
+
+# ---------------------------------------------------------------- compute buffers
+
+
+def compute_bytes(spec: ModelSpec, s: Settings, cells: int, swa_cells: int, streams: int) -> dict[str, float]:
+    """Peak bytes of the worst-case micro-batch graph, split into the phases that can set it.
+
+    The reserve pass (llama-context.cpp sched_reserve) builds the graph for T = min(ubatch, n_ctx)
+    tokens against every cell of the cache, with one output row per slot (the server sets
+    n_outputs_max to --parallel). ggml-alloc frees each tensor after its last use, so the buffer is
+    the KQ masks (inputs, alive throughout) plus the largest of three phases, in units of
+    E = n_embd*T*4 and Q = n_head*head_dim*T*4:
+
+    * attention: 3E + 2Q with flash attention (layer input, its norm, the output; Q and the FA
+      result); without it the scores n_head*n_kv*T*4 + 3E + 3Q;
+    * FFN: gate, up and their product (3F, F = n_ff*T*4; for MoE F = n_used*n_ff_exp*T*4) beside
+      2E, plus up to 2E the allocator cannot reuse while F > E; MoE also holds n_used expert
+      outputs before summing them, (4 + n_used)E;
+    * output: the logits, n_vocab * n_outputs * 4.
+
+    The coefficients were fitted to the 0c1e570 CPU server's reported buffers across n_embd,
+    n_ff, heads, experts, ubatch and context (benchmarks/estimate_accuracy.py checks them).
+    """
+    n_ctx = _pad(s.ctx, KV_PAD)
+    t = min(s.ubatch, s.batch, n_ctx)
+    f32 = 4
+    attn = [layer for layer in spec.layers if layer.kind in ("full", "swa")]
+    has_full = any(layer.kind == "full" for layer in attn)
+    has_swa = any(layer.kind == "swa" for layer in attn)
+    n_head = max((layer.n_head for layer in attn), default=0)
+    q_width = max((layer.n_head * max(layer.head_k, layer.head_v) for layer in attn), default=spec.n_embd)
+    kv_width = max((layer.k_width for layer in attn), default=0)
+    n_kv = cells if has_full or not has_swa else swa_cells
+    e = spec.n_embd * t * f32
+    q = q_width * t * f32
+    mask_elem = 2 if s.flash_attn else 4  # flash attention takes an f16 mask
+    masks = (cells * t * mask_elem if has_full else 0) + (swa_cells * t * mask_elem if has_swa else 0)
+    if s.flash_attn:
+        # an f32/bf16 cache is cast to f16 for the FA kernel, one layer at a time
+        cast = n_kv * kv_width * 2 if s.cache_type_k in ("f32", "bf16") else 0
+        attention = 3 * e + 2 * q + cast
+    else:
+        attention = n_head * n_kv * t * f32 + 3 * e + 3 * q
+    if spec.n_expert:
+        f = spec.n_expert_used * (spec.n_ff_exp or spec.n_ff) * t * f32
+        ffn = max(3 * f + 2 * e + 2 * min(max(f - e, 0), e), (4 + spec.n_expert_used) * e)
+    else:
+        f = spec.n_ff * t * f32
+        ffn = 3 * f + 2 * e + 2 * min(max(f - e, 0), e)
+    n_outputs = min(t, s.parallel)
+    output = 2 * e + spec.n_vocab * n_outputs * f32
+    if not attn:
+        masks = attention = 0
+    return {"attention": attention, "ffn": ffn, "output": output, "masks": masks,
+            "total": max(attention, ffn, output) + masks}
+
+
+def cuda_fa_pool_bytes(spec: ModelSpec, s: Settings, cells: int) -> int:
+    """CUDA flash attention converts a quantised K/V view to f16 in the device's memory pool.
+
+    The pool keeps its peak: K and V of the widest layer over every cell. It is not part of the
+    reported compute buffer, but it is device memory that grows with the context.
+    """
+    if not s.flash_attn or s.cache_type_k in ("f16", "f32", "bf16") and s.cache_type_v in ("f16", "f32", "bf16"):
+        return 0
+    attn = [layer for layer in spec.layers if layer.kind in ("full", "swa")]
+    width = max((layer.k_width + layer.v_width for layer in attn), default=0)
+    return cells * width * 2
+
+
+# ---------------------------------------------------------------- the whole estimate
+
+
+@dataclass
+class DeviceEstimate:
+    name: str
+    weights_mib: float
+    kv_mib: float
+    compute_mib: float
+    overhead_mib: float
+    total_mib: float
+    capacity_mib: float | None = None
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.capacity_mib is None else self.total_mib <= self.capacity_mib
+
+
+@dataclass
+class Estimate:
+    spec: ModelSpec
+    settings: Settings
+    kv: KVPlan
+    weights: list[float]
+    compute: list[float]
+    devices: list[DeviceEstimate]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_mib(self) -> float:
+        return sum(d.total_mib for d in self.devices)
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``controller estimate --json`` contract (issue 4); extra keys extend it, none rename it."""
+        names = [d.name for d in self.devices]
+        return {
+            "model": {
+                "arch": self.spec.arch, "n_layer": self.spec.n_layer, "n_ctx_train": self.spec.n_ctx_train,
+                "params": self.spec.params, "file_type": self.spec.file_type, "size_bytes": self.spec.size_bytes,
+            },
+            "settings": asdict(self.settings),
+            "weights": {"total_mib": _mib(sum(self.weights)), "per_device": dict(zip(names, map(_mib, self.weights)))},
+            "kv": {
+                "total_mib": _mib(self.kv.total_bytes), "cells": self.kv.cells, "swa_cells": self.kv.swa_cells,
+                "layers": self.kv.layers, "swa_layers": self.kv.swa_layers, "bytes_per_token": self.kv.bytes_per_token,
+                "streams": self.kv.streams, "recurrent_layers": self.kv.recurrent_layers,
+                "recurrent_mib": _mib(self.kv.recurrent_bytes),
+            },
+            "compute": {"total_mib": _mib(sum(self.compute)), "per_device": dict(zip(names, map(_mib, self.compute)))},
+            "devices": [
+                {"name": d.name, "weights_mib": round(d.weights_mib, 2), "kv_mib": round(d.kv_mib, 2),
+                 "compute_mib": round(d.compute_mib, 2), "overhead_mib": round(d.overhead_mib, 2),
+                 "total_mib": round(d.total_mib, 2), "capacity_mib": d.capacity_mib, "fits": d.fits}
+                for d in self.devices
+            ],
+            "total_mib": round(self.total_mib, 2),
+            "notes": self.notes,
+        }
+
+
+def _mib(value: float) -> float:
+    return round(value / MIB, 2)
+
+
+def estimate(spec: ModelSpec, s: Settings) -> Estimate:
+    """Weights, KV and compute per device for a model under resolved settings."""
+    notes = list(spec.notes)
+    place = place_layers(spec, s)
+    weights = weights_per_device(spec, s, place)
+    kv = kv_plan(spec, s, place)
+    graph = compute_bytes(spec, s, kv.cells, kv.swa_cells, kv.streams)["total"]
+    compute = [0.0] * len(place.devices)
+    gpu_used = sorted({d for d in place.layer_device + [place.output_device] if d != place.cpu})
+    if s.split_mode == "tensor" and len(s.gpus) > 1 and gpu_used:
+        gpu_used = list(range(len(s.gpus)))
+    pool = cuda_fa_pool_bytes(spec, s, kv.cells)
+    for device in gpu_used:
+        compute[device] = graph + pool
+    if not gpu_used or place.output_device == place.cpu or any(d == place.cpu for d in place.layer_device):
+        compute[place.cpu] = graph
+    else:
+        # Fully offloaded: the host keeps only the pinned input staging buffer (embeddings of a ubatch).
+        compute[place.cpu] = min(s.ubatch, s.batch, s.ctx) * spec.n_embd * 4 + spec.n_vocab * 4 * s.parallel
+    if any(layer.kind == "recurrent" for layer in spec.layers):
+        notes.append("compute buffers of recurrent (state) layers are not modelled; the estimate covers attention and FFN")
+    if not s.flash_attn and (s.cache_type_v not in ("f16", "f32", "bf16")):
+        notes.append("a quantised V cache needs flash attention; the engine will refuse these settings")
+    if not spec.layers:
+        notes.append("no layer information: KV cache and compute could not be estimated")
+    devices = []
+    for k, name in enumerate(place.devices):
+        overhead = CUDA_OVERHEAD_MIB if k != place.cpu else 0.0
+        capacity = s.gpu_mem_mib[k] if k != place.cpu and s.gpu_mem_mib else None
+        total = (weights[k] + kv.per_device[k] + compute[k]) / MIB + overhead
+        devices.append(DeviceEstimate(name, weights[k] / MIB, kv.per_device[k] / MIB, compute[k] / MIB,
+                                      overhead, total, capacity))
+    return Estimate(spec, s, kv, weights, compute, devices, notes)
+
+
+def largest_fitting_context(spec: ModelSpec, s: Settings, budget_mib: float) -> int:
+    """Largest context (multiple of 256) whose GPU total stays within ``budget_mib`` on every GPU."""
+    low, high = 0, max(spec.n_ctx_train, KV_PAD) // KV_PAD
+    while low < high:
+        mid = (low + high + 1) // 2
+        trial = estimate(spec, _with_ctx(s, mid * KV_PAD))
+        if all(d.total_mib <= budget_mib for d in trial.devices if d.name != "CPU"):
+            low = mid
+        else:
+            high = mid - 1
+    return low * KV_PAD
+
+
+def _with_ctx(s: Settings, ctx: int) -> Settings:
+    values = asdict(s)
+    values["ctx"] = ctx
+    values["gpus"], values["gpu_mem_mib"] = s.gpus, s.gpu_mem_mib
+    return Settings(**values)
+
+
+__all__ = [
+    "CUDA_OVERHEAD_MIB", "Estimate", "EstimateInputError", "KVPlan", "Settings", "estimate", "kv_cells",
+    "largest_fitting_context", "place_layers", "resolve_settings", "row_bytes",
+]

@@ -1,0 +1,396 @@
+"""Generate small but real GGUF models that the CPU llama-server loads and serves.
+
+Tests need a model the real engine accepts (so its load log, memory buffers and both chat APIs
+can be checked) without downloading anything. The files written here are ordinary GGUFs: real
+architecture metadata, a tiny GPT-2-style BPE vocabulary (the 256 byte tokens, some merges and
+three ChatML control tokens), a chat template, and weights from a fixed-seed generator, so the
+same arguments always give the same bytes. The text they produce is garbage; the protocol is real.
+
+Scaling ``n_embd``/``n_layer``/``n_vocab`` up gives files of hundreds of MB for checking the
+memory estimator against the server's own buffer sizes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import string
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import (
+    GGML_QUANT_SIZES,
+    MODEL_TENSOR,
+    TENSOR_NAMES,
+    GGMLQuantizationType,
+    GGUFValueType,
+    GGUFWriter,
+    LlamaFileType,
+    TokenType,
+)
+from gguf.quants import quantize
+
+ARCHS = ("llama", "qwen3moe", "gemma3")
+
+# Weight encodings the numpy quantisers in gguf-py can produce, with the GGUF file_type each implies.
+FILE_TYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
+    "f32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
+    "f16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
+    "bf16": (GGMLQuantizationType.BF16, LlamaFileType.MOSTLY_BF16),
+    "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+    "q5_1": (GGMLQuantizationType.Q5_1, LlamaFileType.MOSTLY_Q5_1),
+    "q5_0": (GGMLQuantizationType.Q5_0, LlamaFileType.MOSTLY_Q5_0),
+    "q4_1": (GGMLQuantizationType.Q4_1, LlamaFileType.MOSTLY_Q4_1),
+    "q4_0": (GGMLQuantizationType.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+}
+
+# ChatML, the shape most instruct GGUFs use; the control tokens below make it tokenise as specials.
+DEFAULT_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{%- if message['content'] is string %}{{ message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}{%- if part['type'] == 'text' %}"
+    "{{ part['text'] }}{%- endif %}{%- endfor %}{%- endif %}"
+    "<|im_end|>\n"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif -%}"
+)
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+_WEIGHT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor to write: GGUF name, numpy-order shape, and its on-disk encoding."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: GGMLQuantizationType
+    kind: str = "weight"  # "weight" (random) or "norm" (ones)
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def nbytes(self) -> int:
+        block, type_size = GGML_QUANT_SIZES[self.qtype]
+        return self.n_elements // block * type_size
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map, which byte-level BPE vocabularies use."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1)
+    )
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def _merge_pairs() -> Iterator[tuple[str, str]]:
+    """Merges in rank order: space+letter first, then letter pairs, so ordinary text merges a bit."""
+    space = bytes_to_unicode()[ord(" ")]
+    letters = string.ascii_lowercase
+    for letter in letters:
+        yield space, letter
+    yield from itertools.product(letters, letters)
+
+
+def build_vocab(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
+    """Return (tokens, token types, merges) for a byte-level BPE vocabulary of exactly n_vocab tokens.
+
+    The last three ids are the ChatML control tokens; ids beyond the available merges are padded
+    with unused placeholder tokens, as many released vocabularies are.
+    """
+    minimum = 256 + len(SPECIAL_TOKENS)
+    if n_vocab < minimum:
+        raise ValueError(f"n_vocab must be at least {minimum} (256 byte tokens + {len(SPECIAL_TOKENS)} specials)")
+    tokens = list(bytes_to_unicode().values())
+    types = [int(TokenType.NORMAL)] * 256
+    merges: list[str] = []
+    n_regular = n_vocab - len(SPECIAL_TOKENS)
+    pairs = _merge_pairs()
+    while len(tokens) < n_regular:
+        pair = next(pairs, None)
+        if pair is None:
+            tokens.append(f"<|unused_{len(tokens)}|>")
+            types.append(int(TokenType.UNUSED))
+            continue
+        merges.append(f"{pair[0]} {pair[1]}")
+        tokens.append(pair[0] + pair[1])
+        types.append(int(TokenType.NORMAL))
+    tokens.extend(SPECIAL_TOKENS)
+    types.extend([int(TokenType.CONTROL)] * len(SPECIAL_TOKENS))
+    return tokens, types, merges
+
+
+def _name(tensor: MODEL_TENSOR, layer: int | None = None, suffix: str = "weight") -> str:
+    base = TENSOR_NAMES[tensor]
+    return (base.format(bid=layer) if layer is not None else base) + f".{suffix}"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Hyperparameters of a generated model; validated once, used by metadata and tensor layout."""
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    n_vocab: int
+    n_ctx_train: int
+    head_dim: int
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    sliding_window: int
+    swa_pattern: int
+    tied_embeddings: bool
+
+
+def _tensor_specs(shape: ModelShape, qtype: GGMLQuantizationType) -> list[TensorSpec]:
+    """The tensors llama.cpp's loader requires for the architecture, in GGUF (numpy) shape order."""
+    f32 = GGMLQuantizationType.F32
+    e, hd, v = shape.n_embd, shape.head_dim, shape.n_vocab
+    q_out, kv_out = shape.n_head * hd, shape.n_head_kv * hd
+    specs = [TensorSpec(_name(MODEL_TENSOR.TOKEN_EMBD), (v, e), qtype)]
+    for il in range(shape.n_layer):
+        specs += [
+            TensorSpec(_name(MODEL_TENSOR.ATTN_NORM, il), (e,), f32, "norm"),
+            TensorSpec(_name(MODEL_TENSOR.ATTN_Q, il), (q_out, e), qtype),
+            TensorSpec(_name(MODEL_TENSOR.ATTN_K, il), (kv_out, e), qtype),
+            TensorSpec(_name(MODEL_TENSOR.ATTN_V, il), (kv_out, e), qtype),
+            TensorSpec(_name(MODEL_TENSOR.ATTN_OUT, il), (e, q_out), qtype),
+            TensorSpec(_name(MODEL_TENSOR.FFN_NORM, il), (e,), f32, "norm"),
+        ]
+        if shape.arch in ("qwen3moe", "gemma3"):
+            specs += [
+                TensorSpec(_name(MODEL_TENSOR.ATTN_Q_NORM, il), (hd,), f32, "norm"),
+                TensorSpec(_name(MODEL_TENSOR.ATTN_K_NORM, il), (hd,), f32, "norm"),
+            ]
+        if shape.arch == "gemma3":
+            specs += [
+                TensorSpec(_name(MODEL_TENSOR.ATTN_POST_NORM, il), (e,), f32, "norm"),
+                TensorSpec(_name(MODEL_TENSOR.FFN_POST_NORM, il), (e,), f32, "norm"),
+            ]
+        if shape.arch == "qwen3moe":
+            x, f = shape.n_expert, shape.n_ff_exp
+            specs += [
+                # Routers stay f32 in released MoE GGUFs: they are tiny and precision-sensitive.
+                TensorSpec(_name(MODEL_TENSOR.FFN_GATE_INP, il), (x, e), f32),
+                TensorSpec(_name(MODEL_TENSOR.FFN_GATE_EXP, il), (x, f, e), qtype),
+                TensorSpec(_name(MODEL_TENSOR.FFN_DOWN_EXP, il), (x, e, f), qtype),
+                TensorSpec(_name(MODEL_TENSOR.FFN_UP_EXP, il), (x, f, e), qtype),
+            ]
+        else:
+            specs += [
+                TensorSpec(_name(MODEL_TENSOR.FFN_GATE, il), (shape.n_ff, e), qtype),
+                TensorSpec(_name(MODEL_TENSOR.FFN_DOWN, il), (e, shape.n_ff), qtype),
+                TensorSpec(_name(MODEL_TENSOR.FFN_UP, il), (shape.n_ff, e), qtype),
+            ]
+    specs.append(TensorSpec(_name(MODEL_TENSOR.OUTPUT_NORM), (e,), f32, "norm"))
+    if not shape.tied_embeddings:
+        specs.append(TensorSpec(_name(MODEL_TENSOR.OUTPUT), (v, e), qtype))
+    return specs
+
+
+def _check_shape(shape: ModelShape, qtype: GGMLQuantizationType) -> None:
+    """Reject shapes the engine or the quantiser would refuse, with the reason, before writing."""
+    if shape.arch not in ARCHS:
+        raise ValueError(f"arch {shape.arch!r} is not one of {', '.join(ARCHS)}")
+    if shape.n_head % shape.n_head_kv:
+        raise ValueError(f"n_head ({shape.n_head}) must be a multiple of n_head_kv ({shape.n_head_kv})")
+    if shape.arch == "qwen3moe" and not 0 < shape.n_expert_used <= shape.n_expert:
+        raise ValueError("qwen3moe needs 0 < n_expert_used <= n_expert")
+    if shape.arch == "llama" and shape.head_dim * shape.n_head != shape.n_embd:
+        raise ValueError("llama needs head_dim * n_head == n_embd (its n_rot must equal the head size)")
+    block = GGML_QUANT_SIZES[qtype][0]
+    rows = {shape.n_embd, shape.head_dim * shape.n_head, shape.n_ff if shape.arch != "qwen3moe" else shape.n_ff_exp}
+    if any(r % block for r in rows):
+        raise ValueError(f"row lengths {sorted(rows)} must be multiples of {block} for {qtype.name} weights")
+
+
+def _metadata(shape: ModelShape, file_type: LlamaFileType, name: str, chat_template: str | None) -> dict[str, Any]:
+    """GGUF key/values for the model, keyed by full name; values typed by _add_kv."""
+    a = shape.arch
+    kv: dict[str, Any] = {
+        "general.name": name,
+        "general.file_type": int(file_type),
+        "general.quantization_version": 2,
+        f"{a}.context_length": shape.n_ctx_train,
+        f"{a}.embedding_length": shape.n_embd,
+        f"{a}.block_count": shape.n_layer,
+        f"{a}.feed_forward_length": shape.n_ff,
+        f"{a}.attention.head_count": shape.n_head,
+        f"{a}.attention.head_count_kv": shape.n_head_kv,
+        f"{a}.attention.key_length": shape.head_dim,
+        f"{a}.attention.value_length": shape.head_dim,
+        f"{a}.attention.layer_norm_rms_epsilon": 1e-6,
+        f"{a}.rope.freq_base": 10000.0,
+        f"{a}.rope.dimension_count": shape.head_dim,
+        f"{a}.vocab_size": shape.n_vocab,
+    }
+    if a == "qwen3moe":
+        kv[f"{a}.expert_count"] = shape.n_expert
+        kv[f"{a}.expert_used_count"] = shape.n_expert_used
+        kv[f"{a}.expert_feed_forward_length"] = shape.n_ff_exp
+    if a == "gemma3" and shape.sliding_window > 0:
+        kv[f"{a}.attention.sliding_window"] = shape.sliding_window
+        kv[f"{a}.attention.sliding_window_pattern"] = shape.swa_pattern
+    tokens, types, merges = build_vocab(shape.n_vocab)
+    kv.update({
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": tokens.index("<|endoftext|>"),
+        "tokenizer.ggml.eos_token_id": tokens.index("<|im_end|>"),
+        "tokenizer.ggml.padding_token_id": tokens.index("<|endoftext|>"),
+        "tokenizer.ggml.add_bos_token": False,
+    })
+    if chat_template is not None:
+        kv["tokenizer.chat_template"] = chat_template
+    return kv
+
+
+def _add_kv(writer: GGUFWriter, key: str, value: Any) -> None:
+    """Write one key with the GGUF type llama.cpp expects for it (u32 counts, f32 floats, i32 type ids)."""
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        if value < 0:
+            writer.add_int32(key, value)
+        elif value >= 1 << 32:
+            writer.add_uint64(key, value)
+        else:
+            writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, Sequence):
+        if value and isinstance(value[0], bool):
+            writer.add_key_value(key, list(value), GGUFValueType.ARRAY, GGUFValueType.BOOL)
+        elif key == "tokenizer.ggml.token_type":
+            writer.add_key_value(key, list(value), GGUFValueType.ARRAY, GGUFValueType.INT32)
+        else:
+            writer.add_array(key, value)
+    else:
+        raise TypeError(f"cannot write {key}={value!r} to GGUF")
+
+
+def _tensor_data(spec: TensorSpec, seed: int, index: int) -> np.ndarray:
+    """Deterministic contents for one tensor: ones for norms, small normals otherwise (seeded per tensor)."""
+    if spec.kind == "norm":
+        values = np.ones(spec.shape, dtype=np.float32)
+    else:
+        rng = np.random.default_rng([seed, index])
+        values = rng.standard_normal(spec.shape, dtype=np.float32)
+        values *= _WEIGHT_STD
+    if spec.qtype == GGMLQuantizationType.F32:
+        return values
+    if spec.qtype == GGMLQuantizationType.F16:
+        return values.astype(np.float16)
+    return quantize(values, spec.qtype)
+
+
+def write_gguf(
+    path: str | Path,
+    arch: str,
+    metadata: Mapping[str, Any],
+    tensors: Sequence[TensorSpec],
+    *,
+    header_only: bool = False,
+    seed: int = 0,
+) -> Path:
+    """Write a GGUF from explicit metadata and tensor specs; with header_only, stop before tensor data.
+
+    Header-only files are what a remote Range read sees and what the estimator must handle; they
+    also let tests describe real large models (from their published hyperparameters) in a few KB.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = GGUFWriter(path, arch)
+    try:
+        for key, value in metadata.items():
+            _add_kv(writer, key, value)
+        for spec in tensors:
+            raw_dtype = None if spec.qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) else spec.qtype
+            dtype = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}.get(spec.qtype, np.uint8)
+            shape = spec.shape if raw_dtype is None else _byte_shape(spec)
+            writer.add_tensor_info(spec.name, shape, np.dtype(dtype), spec.nbytes, raw_dtype=raw_dtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        if not header_only:
+            for index, spec in enumerate(tensors):
+                writer.write_tensor_data(_tensor_data(spec, seed, index))
+        writer.flush()
+    finally:
+        writer.close()
+    return path
+
+
+def _byte_shape(spec: TensorSpec) -> tuple[int, ...]:
+    block, type_size = GGML_QUANT_SIZES[spec.qtype]
+    return (*spec.shape[:-1], spec.shape[-1] // block * type_size)
+
+
+def write_model(
+    path: str | Path,
+    arch: str = "llama",
+    *,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    n_vocab: int = 300,
+    n_ctx_train: int = 4096,
+    head_dim: int | None = None,
+    n_expert: int = 4,
+    n_expert_used: int = 2,
+    n_ff_exp: int | None = None,
+    sliding_window: int = 128,
+    swa_pattern: int = 2,
+    tied_embeddings: bool = False,
+    file_type: str = "f32",
+    chat_template: str | None = DEFAULT_CHAT_TEMPLATE,
+    name: str | None = None,
+    seed: int = 0,
+    header_only: bool = False,
+) -> Path:
+    """Write a tiny (or, scaled up, large) model the CPU llama-server loads; returns the path.
+
+    ``arch`` is llama, qwen3moe (``n_expert``/``n_expert_used``/``n_ff_exp`` apply) or gemma3
+    (``sliding_window`` > 0 makes every ``swa_pattern``-th layer full attention and the others
+    sliding-window, as llama.cpp reads ``sliding_window_pattern``). ``file_type`` picks the
+    encoding of the 2-D weights (norms stay f32, as converters write them).
+    """
+    if file_type not in FILE_TYPES:
+        raise ValueError(f"file_type {file_type!r} is not one of {', '.join(FILE_TYPES)}")
+    qtype, ftype = FILE_TYPES[file_type]
+    shape = ModelShape(
+        arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff,
+        n_vocab=n_vocab, n_ctx_train=n_ctx_train, head_dim=head_dim or n_embd // n_head,
+        n_expert=n_expert if arch == "qwen3moe" else 0,
+        n_expert_used=n_expert_used if arch == "qwen3moe" else 0,
+        n_ff_exp=(n_ff_exp or n_ff // max(n_expert_used, 1)) if arch == "qwen3moe" else 0,
+        sliding_window=sliding_window if arch == "gemma3" else 0,
+        swa_pattern=swa_pattern, tied_embeddings=tied_embeddings,
+    )
+    _check_shape(shape, qtype)
+    label = name or f"tiny-{arch}-{n_layer}x{n_embd}-{file_type}"
+    metadata = _metadata(shape, ftype, label, chat_template)
+    return write_gguf(path, arch, metadata, _tensor_specs(shape, qtype), header_only=header_only, seed=seed)

@@ -1,0 +1,334 @@
+"""gguf_download against the real local file server: what an operator sees on each kind of run.
+
+The worker functions run in-process (so the server's byte counter and request log can be read
+beside them); the module itself also runs as Ansible runs it, as a script with a JSON args file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controller.lab.fileserver import FileServer
+
+MODULE_PATH = Path(__file__).resolve().parents[3] / "plugins" / "modules" / "gguf_download.py"
+TOKEN = "hf_TESTtoken0123456789abcdef"
+SIZE = 8 << 20
+
+
+def _load_module() -> Any:
+    spec = importlib.util.spec_from_file_location("gguf_download", MODULE_PATH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+gd = _load_module()
+
+
+@dataclass(frozen=True)
+class Model:
+    root: Path
+    data: bytes
+    sha256: str
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    root = tmp_path_factory.mktemp("hub")
+    data = os.urandom(SIZE)
+    (root / "org" / "repo").mkdir(parents=True)
+    (root / "org" / "repo" / "model.gguf").write_bytes(data)
+    return Model(root, data, hashlib.sha256(data).hexdigest())
+
+
+@pytest.fixture
+def server(model: Model) -> Iterator[FileServer]:
+    with FileServer(model.root) as srv:
+        yield srv
+
+
+@pytest.fixture
+def token_server(model: Model) -> Iterator[FileServer]:
+    with FileServer(model.root, token=TOKEN) as srv:
+        yield srv
+
+
+def _params(srv: FileServer, model: Model, folder: Path, **overrides: Any) -> dict[str, Any]:
+    folder.mkdir(parents=True, exist_ok=True)
+    params = {
+        "url": srv.hub_url("org", "repo", "model.gguf"),
+        "dest": str(folder / "model.gguf"),
+        "sha256": model.sha256,
+        "size": None,
+        "token": None,
+        "headers": {},
+        "timeout": 10,
+    }
+    return params | overrides
+
+
+def _gets(srv: FileServer) -> list[Any]:
+    return [seen for seen in srv.requests if seen.method == "GET"]
+
+
+def _run_module(
+    args: dict[str, Any], tmp_path: Path
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """Run the module the way Ansible's debug path does: the script plus a JSON args file."""
+    args_file = tmp_path / "args.json"
+    args_file.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
+    proc = subprocess.run(
+        [sys.executable, str(MODULE_PATH), str(args_file)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return proc, json.loads(proc.stdout)
+
+
+def test_fresh_download_lands_the_verified_file(server: FileServer, model: Model, tmp_path: Path) -> None:
+    params = _params(server, model, tmp_path / "models")
+
+    result = gd.ensure(params)
+
+    dest = Path(params["dest"])
+    assert result["changed"] is True
+    assert (result["size"], result["bytes_transferred"], result["resumed_from"]) == (SIZE, SIZE, 0)
+    assert dest.read_bytes() == model.data
+    assert not Path(params["dest"] + ".part").exists()
+    assert json.loads(Path(params["dest"] + ".verified").read_text())["sha256"] == model.sha256
+    assert server.bytes_sent == SIZE
+
+
+def test_verified_file_is_skipped_without_hashing(
+    server: FileServer, model: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    params = _params(server, model, tmp_path / "models")
+    gd.ensure(params)
+    server.reset_counters()
+
+    def no_hashing(*_: object) -> None:
+        raise AssertionError("a verified file was hashed again")
+
+    monkeypatch.setattr(gd, "hash_file", no_hashing)
+    monkeypatch.setattr(gd.hashlib, "sha256", no_hashing)
+    result = gd.ensure(params)
+
+    assert result["changed"] is False
+    assert result["bytes_transferred"] == 0
+    assert server.requests == []
+
+
+def test_module_trusts_the_marker_instead_of_rereading(
+    server: FileServer, model: Model, tmp_path: Path
+) -> None:
+    """Same size and mtime as the marker says -> not reread, shown by bytes it would have caught."""
+    params = _params(server, model, tmp_path / "models")
+    gd.ensure(params)
+    dest = Path(params["dest"])
+    stat = dest.stat()
+    dest.write_bytes(bytes(SIZE))  # different content, same size ...
+    os.utime(dest, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # ... and the marker's mtime
+    server.reset_counters()
+
+    proc, result = _run_module(params, tmp_path)
+
+    assert proc.returncode == 0, proc.stdout
+    assert result["changed"] is False
+    assert "marker" in result["msg"]
+    assert server.requests == []
+
+
+def test_unmarked_good_file_is_hashed_once_and_marked(
+    server: FileServer, model: Model, tmp_path: Path
+) -> None:
+    params = _params(server, model, tmp_path / "models")
+    Path(params["dest"]).write_bytes(model.data)
+
+    result = gd.ensure(params)
+
+    assert result["changed"] is False
+    assert server.requests == []
+    assert gd.is_verified(params["dest"], model.sha256)
+
+
+def test_checksum_mismatch_leaves_nothing_at_the_final_path(
+    server: FileServer, model: Model, tmp_path: Path
+) -> None:
+    wrong = hashlib.sha256(b"another file").hexdigest()
+    params = _params(server, model, tmp_path / "models", sha256=wrong)
+
+    with pytest.raises(gd.DownloadError) as failure:
+        gd.ensure(params)
+
+    assert wrong in str(failure.value) and model.sha256 in str(failure.value)
+    assert sorted(os.listdir(tmp_path / "models")) == []
+
+
+def test_checksum_mismatch_keeps_the_older_good_file(
+    server: FileServer, model: Model, tmp_path: Path
+) -> None:
+    older = b"older good model" * 1000
+    older_sha = hashlib.sha256(older).hexdigest()
+    params = _params(server, model, tmp_path / "models", sha256=older_sha)
+    Path(params["dest"]).write_bytes(older)
+    gd.write_marker(params["dest"], older_sha)
+    # The file vars now name a new sha256, but the server still serves something else.
+    params["sha256"] = hashlib.sha256(b"the release that never arrived").hexdigest()
+
+    with pytest.raises(gd.DownloadError, match="Checksum mismatch"):
+        gd.ensure(params)
+
+    assert Path(params["dest"]).read_bytes() == older
+    assert gd.is_verified(params["dest"], older_sha)
+    assert not Path(params["dest"] + ".part").exists()
+
+
+def test_interrupted_download_resumes_where_it_stopped(
+    server: FileServer, model: Model, tmp_path: Path
+) -> None:
+    params = _params(server, model, tmp_path / "models")
+    half = SIZE // 2
+    server.drop_after = half
+
+    with pytest.raises(gd.DownloadError, match=f"rerun resumes from byte {half}"):
+        gd.ensure(params)
+    assert Path(params["dest"] + ".part").stat().st_size == half
+    assert not Path(params["dest"]).exists()
+
+    server.drop_after = None
+    result = gd.ensure(params)
+
+    assert (result["resumed_from"], result["bytes_transferred"]) == (half, SIZE - half)
+    assert Path(params["dest"]).read_bytes() == model.data
+    assert _gets(server)[-1].range == f"bytes={half}-"
+    assert server.bytes_sent <= 1.02 * SIZE
+
+
+@pytest.fixture
+def small_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A folder on a 32 MiB filesystem: a real tmpfs where mounting works, else statvfs narrowed."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    mounted = (
+        os.geteuid() == 0
+        and subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(folder)], check=False, capture_output=True
+        ).returncode
+        == 0
+    )
+    if not mounted:
+        monkeypatch.setattr(gd, "free_bytes", lambda _folder: 32 << 20)
+    yield folder
+    if mounted:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+@pytest.mark.parametrize("size_known", [True, False], ids=["size-given", "size-from-HEAD"])
+def test_too_little_space_is_refused_before_any_byte(
+    server: FileServer, model: Model, small_folder: Path, size_known: bool
+) -> None:
+    params = _params(server, model, small_folder, size=SIZE if size_known else None)
+    free = gd.free_bytes(str(small_folder))
+    needed = SIZE + gd.SPACE_MARGIN
+
+    with pytest.raises(gd.DownloadError) as failure:
+        gd.ensure(params)
+
+    message = str(failure.value)
+    assert str(small_folder) in message
+    assert f"{needed} bytes" in message and f"{free} bytes" in message
+    assert f"{needed / 2**30:.2f} GiB" in message
+    assert _gets(server) == [] and server.bytes_sent == 0
+    assert os.listdir(small_folder) == []
+
+
+def test_redirect_is_followed(server: FileServer, model: Model, tmp_path: Path) -> None:
+    params = _params(
+        server, model, tmp_path / "models", url=f"{server.url}/redirect/org/repo/resolve/main/model.gguf"
+    )
+
+    result = gd.ensure(params)
+
+    assert result["changed"] is True
+    assert Path(params["dest"]).read_bytes() == model.data
+    assert [seen.host for seen in _gets(server)] == ["127.0.0.1", "localhost"]
+
+
+def test_token_is_required_and_sent(token_server: FileServer, model: Model, tmp_path: Path) -> None:
+    params = _params(token_server, model, tmp_path / "models")
+    with pytest.raises(gd.DownloadError, match="HTTP 401.*token"):
+        gd.ensure(params)
+
+    result = gd.ensure(params | {"token": TOKEN})
+
+    assert result["changed"] is True
+    assert Path(params["dest"]).read_bytes() == model.data
+    assert _gets(token_server)[-1].authorized
+
+
+def test_token_is_not_sent_to_the_host_a_redirect_points_at(
+    token_server: FileServer, model: Model, tmp_path: Path
+) -> None:
+    url = f"{token_server.url}/redirect/org/repo/resolve/main/model.gguf"
+    gd.ensure(_params(token_server, model, tmp_path / "models", url=url, token=TOKEN))
+
+    hops = [(seen.host, seen.authorized) for seen in token_server.requests]
+    assert hops == [("127.0.0.1", True), ("localhost", False)] * 2  # HEAD, then GET
+
+
+def test_token_is_kept_on_a_same_host_redirect(model: Model, tmp_path: Path) -> None:
+    with FileServer(model.root, token=TOKEN, redirect_host="127.0.0.1") as srv:
+        url = f"{srv.url}/redirect/org/repo/resolve/main/model.gguf"
+        gd.ensure(_params(srv, model, tmp_path / "models", url=url, token=TOKEN, size=SIZE))
+        assert [(seen.host, seen.authorized) for seen in srv.requests] == [("127.0.0.1", True)] * 2
+
+
+def test_module_output_never_shows_the_token(token_server: FileServer, model: Model, tmp_path: Path) -> None:
+    params = _params(token_server, model, tmp_path / "models", token=TOKEN)
+
+    good, result = _run_module(params, tmp_path)
+    bad, failure = _run_module(params | {"sha256": "0" * 64, "dest": str(tmp_path / "other.gguf")}, tmp_path)
+
+    assert good.returncode == 0 and result["changed"] is True
+    assert bad.returncode != 0 and failure["failed"] is True
+    for proc in (good, bad):
+        assert TOKEN not in proc.stdout + proc.stderr
+    assert result["invocation"]["module_args"]["token"] == "VALUE_SPECIFIED_IN_NO_LOG_PARAMETER"
+
+
+def test_check_mode_reports_a_download_and_changes_nothing(
+    server: FileServer, model: Model, tmp_path: Path
+) -> None:
+    params = _params(server, model, tmp_path / "models")
+    Path(params["dest"] + ".part").write_bytes(model.data[:1000])
+
+    proc, result = _run_module(params | {"_ansible_check_mode": True}, tmp_path)
+
+    assert proc.returncode == 0, proc.stdout
+    assert (result["changed"], result["size"], result["resumed_from"]) == (True, SIZE, 1000)
+    assert sorted(os.listdir(tmp_path / "models")) == ["model.gguf.part"]
+    assert _gets(server) == []
+
+
+def test_wrong_size_is_refused_before_writing(server: FileServer, model: Model, tmp_path: Path) -> None:
+    params = _params(server, model, tmp_path / "models", size=SIZE - 1)
+
+    with pytest.raises(gd.DownloadError, match=f"{SIZE} bytes but size says {SIZE - 1}"):
+        gd.ensure(params)
+
+    assert os.listdir(tmp_path / "models") == []
