@@ -19,13 +19,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from controller.fleet import load_fleet  # noqa: E402
-from controller.lab import target as lab_target  # noqa: E402
-from controller.lab.demo import write_fleet  # noqa: E402
-from controller.lab.engine_build import build  # noqa: E402
-from controller.lab.fileserver import FileServer  # noqa: E402
-from controller.lab.site import build_site  # noqa: E402
-from controller.provision import provision  # noqa: E402
+from controller.fleet import load_fleet
+from controller.lab import target as lab_target
+from controller.lab.demo import write_fleet
+from controller.lab.engine_build import build
+from controller.lab.fileserver import FileServer
+from controller.lab.site import build_site
+from controller.provision import provision
 
 
 def one_run(work: Path, site: Path, catalog: Path, image: str) -> tuple[float, int, float, int, bool]:

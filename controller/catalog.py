@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Iterable
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from controller.errors import CatalogError
+
+# A GGUF metadata value as the catalog writes it: a number, a flag, or one value per layer.
+HParam = int | float | bool | list[int] | list[bool]
 
 
 class _Strict(BaseModel):
@@ -30,6 +33,30 @@ class ModelEntry(_Strict):
     sliding_window: bool = False
     template: str | None = None  # chat template file shipped with roles/llama_service
     hub_url: str | None = None  # where <repo>/resolve/main/<file> lives; defaults to the catalog's
+    # What the planner needs to estimate memory without downloading the model. ``arch`` and
+    # ``hparams`` are the GGUF's general.architecture and its ``<arch>.*`` keys (without the
+    # prefix), taken from the model's published config; ``file_type`` names the quantisation the
+    # file uses. Entries whose shape is not published carry the kit's measured figures instead
+    # (``measured: true`` with ``kv_bytes_per_token`` per cache type and ``size_bytes``).
+    arch: str | None = None
+    file_type: str | None = None
+    hparams: dict[str, HParam] = Field(default_factory=dict)
+    tied_embeddings: bool = False  # the output layer reuses token_embd (no output.weight in the GGUF)
+    measured: bool = False
+    kv_bytes_per_token: dict[str, int] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _shape_is_complete(self) -> ModelEntry:
+        if self.hparams and not self.arch:
+            raise ValueError("hparams need 'arch' (the GGUF general.architecture, e.g. qwen35moe)")
+        if self.measured and not (self.size_bytes and self.kv_bytes_per_token):
+            raise ValueError("a measured entry needs size_bytes and kv_bytes_per_token (bytes per cache type)")
+        return self
+
+    @property
+    def dense(self) -> bool:
+        """Every weight is used for every token (no routed experts): split such models by tensor."""
+        return not self.moe
 
     def url(self, mirror: str | None = None) -> str:
         base = (mirror or self.hub_url or "").rstrip("/")

@@ -86,34 +86,6 @@ def render(box: str, fleet_path: Path, inventory: Path | None, as_json: bool) ->
 @cli.command()
 @click.argument("box")
 @fleet_option
-@json_option
-def plan(box: str, fleet_path: Path, as_json: bool) -> None:
-    """Probe BOX and print the serving plan for the models the fleet file wants on it."""
-    from controller.catalog import load_catalog
-    from controller.planner import plan_box
-    from controller.probe.collect import probe_box
-
-    fleet = _load(fleet_path)
-    target = fleet.box(box)
-    catalog = load_catalog(fleet.catalogs)
-    profile, _raw, _seconds = probe_box(target)
-    result = plan_box(target, profile, catalog)
-    if as_json:
-        click.echo(result.model_dump_json(indent=2))
-        return
-    for service in result.services:
-        click.echo(f"{service.name}: {service.model} on {service.engine}, GPUs {service.gpus or 'none'}, "
-                   f"port {service.port}")
-        for reason in service.reasons:
-            click.echo(f"  - {reason}")
-        click.echo("  llama-server " + " ".join(service.args))
-    for item in result.unplaced:
-        click.echo(f"not placed: {item.model}: {item.reason}")
-
-
-@cli.command()
-@click.argument("box")
-@fleet_option
 @inventory_option
 @json_option
 def verify(box: str, fleet_path: Path, inventory: Path | None, as_json: bool) -> None:
@@ -133,20 +105,19 @@ def verify(box: str, fleet_path: Path, inventory: Path | None, as_json: bool) ->
     click.echo(json.dumps(result.data.get("llama_verify", {}).get(box, {}), indent=None if as_json else 2))
 
 
-def _register_optional_commands() -> None:
+def _register_commands() -> None:
+    """Commands defined in their own modules; imported here so ``--help`` lists them."""
     from controller.cli_demo import demo
+    from controller.cli_estimate import estimate
+    from controller.cli_plan import plan
+    from controller.cli_probe import probe
 
-    cli.add_command(demo)
-    for module, name in (("controller.cli_probe", "probe"), ("controller.cli_estimate", "estimate")):
-        try:
-            command = getattr(__import__(module, fromlist=[name]), name)
-        except (ImportError, AttributeError):
-            continue
-        cli.add_command(command, name)
+    for command in (demo, estimate, plan, probe):
+        cli.add_command(command)
 
 
 def main() -> None:
-    _register_optional_commands()
+    _register_commands()
     try:
         code = cli(standalone_mode=False)  # returns ctx.exit()'s code instead of exiting
     except click.exceptions.Abort:

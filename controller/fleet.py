@@ -38,7 +38,7 @@ class _Strict(BaseModel):
 
 
 class Secret(_Strict):
-    """Where a secret lives: exactly one of an environment variable, a file, or (tests only) a value."""
+    """Where a secret lives: exactly one of an environment variable or a file."""
 
     env: str | None = None
     file: Path | None = None

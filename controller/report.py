@@ -38,7 +38,7 @@ def build_report(box: Box, profile: HardwareProfile, plan: ServePlan, run: RunRe
     return {
         "box": box.name,
         "address": box.address,
-        "generated": dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "generated": dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),
         "hardware": {
             "gpus": [f"{gpu.index}: {gpu.name} {gpu.memory_mib} MiB" for gpu in profile.gpus],
             "driver": profile.driver.version,

@@ -105,7 +105,7 @@ CONTAINERS_CONF = Path("/etc/containers/containers.conf")
 DEFAULT_ULIMITS = {"nofile": "nofile=20000:20000", "nproc": "nproc=32768:32768"}
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 LOOPBACK = "127.0.0.1"
-HOST_PACKAGES = "podman debootstrap"
+HOST_PACKAGES = "podman crun netavark debootstrap debian-archive-keyring openssh-client"
 
 
 class LabError(ControllerError):
@@ -128,7 +128,8 @@ def require_tools(*tools: str) -> None:
     missing = [tool for tool in tools if shutil.which(tool) is None]
     if missing:
         raise LabUnavailable(
-            f"{', '.join(missing)} not found: install the host packages with `apt-get install {HOST_PACKAGES}`"
+            f"{', '.join(missing)} not found: install the host packages with "
+            f"`apt-get install {HOST_PACKAGES}`"
         )
     if os.geteuid() != 0:
         raise LabUnavailable("the systemd target needs rootful podman: run as root")
@@ -381,7 +382,7 @@ def debian_mirror() -> str:
     for uri, suites, components in entries:
         if SUITE in suites and "main" in components:
             return uri
-    for uri, suites, components in entries:
+    for uri, _suites, components in entries:
         if "main" in components and uri.rstrip("/").endswith("/debian"):
             return uri
     raise LabUnavailable(
@@ -781,8 +782,17 @@ def cleanup_stale(*, include_manual: bool = False) -> list[str]:
         record.name for record in list_targets()
         if (include_manual and record.owner == MANUAL_OWNER) or not owner_alive(record.owner)
     ]
-    remove_containers(stale)
+    for name in stale:
+        try:
+            remove_containers([name])
+        except LabError:
+            if container_exists(name):  # another session's sweeper may have removed it meanwhile
+                raise
     return stale
+
+
+def container_exists(name: str) -> bool:
+    return subprocess.run(["podman", "container", "exists", name], check=False).returncode == 0
 
 
 def _podman(*args: str, what: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[str]:

@@ -28,6 +28,7 @@ def collect_linux(transport: Transport, model_dir: str) -> dict[str, str]:
 
 
 def collect_windows(transport: Transport) -> dict[str, str]:
+    """nvidia-smi.exe and the CIM query in one PowerShell script (see controller.probe.windows_collect)."""
     from controller.probe.windows_collect import collect
 
     return collect(transport)
@@ -41,7 +42,7 @@ def probe_box(box: Box, transport: Transport | None = None) -> tuple[HardwarePro
     own = transport is None
     transport = transport or open_transport(box)
     try:
-        if box.os == "windows":
+        if box.os == "windows" or box.transport == "winrm":  # WinRM always lands in PowerShell
             outputs = collect_windows(transport)
         else:
             outputs = collect_linux(transport, box.effective_model_dir)

@@ -48,7 +48,7 @@ def parse_cpuinfo(text: str, warnings: Warnings, file: str = "cpuinfo") -> CpuFa
     cores: set[tuple[str, str]] = set()
     physical = core = None
     per_socket: dict[str, int] = {}
-    for number, key, value in _key_values(text):
+    for _number, key, value in _key_values(text):
         if key == "processor":
             processors += 1
             physical = core = None

@@ -28,7 +28,7 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def run(self, command: str, *, timeout: float = 60.0) -> CommandResult: ...
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def close(self) -> None:  # noqa: B027 - a no-op unless the transport holds a connection
         """Release the connection, if any."""
 
     def __enter__(self) -> Transport:

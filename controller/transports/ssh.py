@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 import paramiko
 from fabric import Connection
 from invoke.exceptions import CommandTimedOut
@@ -47,7 +45,7 @@ class SshTransport(Transport):
             ) from None
         except FileNotFoundError as exc:
             raise TransportError(f"{who}: key file not found: {exc.filename}; fix 'key' in the fleet file") from None
-        except (socket.timeout, TimeoutError):
+        except TimeoutError:
             raise TransportError(f"{who}: no answer within the timeout; check the address, port and firewall") from None
         except (OSError, paramiko.SSHException) as exc:
             reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__

@@ -1,5 +1,4 @@
 import json
-from pathlib import Path
 
 import pytest
 import yaml
@@ -111,3 +110,41 @@ def test_render_refuses_models_without_checksum_and_engines_without_mirror(tmp_p
     with pytest.raises(CatalogError, match="set mirror.engines"):
         render_box(tmp_path / "inv2", nomirror, nomirror.box("box1"), v100_profile(), plan, catalog)
     assert not (tmp_path / "inv2" / "hosts.yml").exists()
+
+
+def _pinned(tmp_path, *model_ids):
+    """The built-in entries of ``model_ids`` with a sha256 pinned, as a fleet's extra catalog would."""
+    builtin = load_catalog()
+    extra = tmp_path / "pinned.yml"
+    extra.write_text(yaml.safe_dump({"models": {
+        model_id: builtin.model(model_id).model_dump(exclude={"id", "hub_url"}) | {"sha256": SHA}
+        for model_id in model_ids}}))
+    return load_catalog([extra])
+
+
+def test_render_carries_a_split_service_env_and_engine_pack(tmp_path):
+    from tests.unit.planner.helpers import DUAL, profile
+
+    catalog = _pinned(tmp_path, "qwen3.6-27b-q4_k_m")
+    f = fleet(tmp_path, models=[{"id": "qwen3.6-27b-q4_k_m", "agents": 4}], os="windows", transport="winrm")
+    box = f.box("box1")
+    plan = plan_box(box, profile(DUAL), catalog)
+    paths = render_box(tmp_path / "inv", f, box, profile(DUAL), plan, catalog)
+    host_vars = yaml.safe_load(next(p for p in paths if p.name == "box1.yml").read_text())
+    (instance,) = host_vars["llama_service_instances"]
+    assert instance["engine"] == "upstream-nccl" and not instance["mlock"]
+    assert instance["env"] == {"CUDA_VISIBLE_DEVICES": "0,1", "GGML_CUDA_ALLREDUCE": "nccl"}
+    assert "--split-mode" in instance["args"] and instance["args"][instance["args"].index("--split-mode") + 1] == "tensor"
+    assert host_vars["llama_engine_packs"][0]["url"].endswith("llama-upstream-nccl-02182fc-windows-x86_64-cuda12.8-sm70.zip")
+
+
+def test_render_marks_an_offloading_service_for_mlock(tmp_path):
+    from tests.unit.planner.helpers import SINGLE, profile
+
+    catalog = _pinned(tmp_path, "qwen3.6-35b-a3b-iq4_xs")
+    f = fleet(tmp_path, models=[{"id": "qwen3.6-35b-a3b-iq4_xs"}])
+    box = f.box("box1")
+    plan = plan_box(box, profile(SINGLE), catalog)
+    paths = render_box(tmp_path / "inv", f, box, profile(SINGLE), plan, catalog)
+    (instance,) = yaml.safe_load(next(p for p in paths if p.name == "box1.yml").read_text())["llama_service_instances"]
+    assert instance["engine"] == "ik" and instance["mlock"] and instance["args"][-2:] == ["--no-mmap", "--mlock"]

@@ -163,5 +163,5 @@ def test_owner_token_is_alive_only_while_its_process_lives() -> None:
 
 def test_missing_podman_names_the_packages(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", "/nonexistent")
-    with pytest.raises(target.LabUnavailable, match="apt-get install podman debootstrap"):
+    with pytest.raises(target.LabUnavailable, match="apt-get install podman crun netavark debootstrap"):
         target.require_tools("podman")

@@ -1,0 +1,176 @@
+"""``controller plan``: the serving configuration that fits a box, and why.
+
+Two forms, one output (the ``ServePlan`` JSON contract ``{fits, services, unplaced}``):
+
+    controller plan box3 --fleet fleet.yml [--json]
+        probe box3 read-only and plan the models its fleet entry wants;
+    controller plan --profile box3.json --model ID [--model ID ...] [--ctx N] [--agents N] [--json]
+        plan from a saved ``controller probe --json`` profile, without touching any box.
+
+A ``--model`` may also be a GGUF path or http(s) URL (only its header is read), and ``--header
+ID=PATH_OR_URL`` makes a catalog model's estimate use its real GGUF header instead of the catalog's
+hyperparameters. Nothing is downloaded. Register with ``cli.add_command(plan, "plan")``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import click
+from pydantic import ValidationError
+
+from controller.catalog import Catalog, ModelEntry, load_catalog
+from controller.errors import ControllerError
+from controller.estimate.gguf_header import GGUFHeader, read_header
+from controller.estimate.model import model_spec
+from controller.fleet import WantedModel
+from controller.profile import HardwareProfile
+from controller.serveplan import ServePlan
+
+BAD_INPUT_EXIT = 2
+
+
+class PlanFailed(click.ClickException):
+    """A one-line reason and an exit code, printed the same way standalone or inside the group."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _is_gguf_source(value: str) -> bool:
+    return value.startswith(("http://", "https://")) or value.endswith(".gguf") or Path(value).is_file()
+
+
+def entry_from_header(header: GGUFHeader) -> ModelEntry:
+    """A catalog entry for a GGUF known only by its header: shape, engine and features from the header.
+
+    Sliding-window models need upstream (ik_llama.cpp has no iSWA cache); other MoE models prefer
+    ik_llama.cpp for its expert offload; the MTP head is there when the header has NextN layers.
+    """
+    spec = model_spec(header)
+    name = re.sub(r"\?.*$", "", header.source).rstrip("/").rsplit("/", 1)[-1]
+    model_id = re.sub(r"[^a-z0-9._-]+", "-", name.removesuffix(".gguf").lower()).strip("-") or "model"
+    sliding = any(layer.kind == "swa" for layer in spec.layers)
+    moe = spec.n_expert > 0
+    return ModelEntry(
+        id=model_id, name=name, repo="local", file=name, size_bytes=spec.size_bytes,
+        engine="upstream" if sliding or not moe else "ik", moe=moe, mtp=spec.n_layer_all > spec.n_layer,
+        sliding_window=sliding, arch=spec.arch, file_type=spec.file_type,
+    )
+
+
+def _headers(pairs: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        model_id, sep, source = pair.partition("=")
+        if not sep or not model_id or not source:
+            raise click.BadParameter(f"{pair!r}: expected ID=PATH_OR_URL", param_hint="--header")
+        out[model_id] = source
+    return out
+
+
+def _load_profile(path: Path) -> HardwareProfile:
+    try:
+        return HardwareProfile.model_validate_json(path.read_text())
+    except OSError as exc:
+        raise PlanFailed(f"{path}: cannot read the profile: {exc.strerror}", BAD_INPUT_EXIT) from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "(top level)"
+        raise PlanFailed(f"{path}: not a `controller probe --json` profile: {where}: {first['msg']}",
+                         BAD_INPUT_EXIT) from None
+
+
+def _plan_profile(profile_path: Path, models: tuple[str, ...], ctx: int | None, agents: int, base_port: int,
+                  catalogs: tuple[Path, ...], headers: dict[str, str]) -> ServePlan:
+    from controller.planner import plan_models
+
+    profile = _load_profile(profile_path)
+    catalog = load_catalog(catalogs)
+    read: dict[str, str | GGUFHeader] = dict(headers)
+    wanted = []
+    added: dict[str, ModelEntry] = {}
+    for model in models:
+        if _is_gguf_source(model) and model not in catalog.models:
+            header = read_header(model)
+            entry = entry_from_header(header)
+            added[entry.id] = entry
+            read[entry.id] = header
+            model = entry.id
+        wanted.append(WantedModel(id=model, ctx=ctx, agents=agents))
+    if added:
+        catalog = Catalog(models={**catalog.models, **added}, engines=catalog.engines)
+    model_dir = "C:\\llama\\models" if profile.os.family == "windows" else "/var/lib/llama/models"
+    return plan_models(wanted, profile, catalog, base_port=base_port, model_dir=model_dir, headers=read)
+
+
+def _plan_box(box_name: str, fleet_path: Path, headers: dict[str, str]) -> ServePlan:
+    from controller.fleet import load_fleet
+    from controller.planner import plan_box
+    from controller.probe.collect import probe_box  # the transports pull in fabric and pywinrm
+
+    fleet = load_fleet(fleet_path)
+    box = fleet.box(box_name)
+    catalog = load_catalog(fleet.catalogs)
+    profile, _raw, _seconds = probe_box(box)
+    return plan_box(box, profile, catalog, headers=headers)
+
+
+def emit(plan: ServePlan, as_json: bool) -> None:
+    """Print the plan as the contract JSON, or as one block per service with its reasons."""
+    if as_json:
+        click.echo(json.dumps(plan.model_dump(mode="json"), indent=2))
+        return
+    for service in plan.services:
+        memory = ", ".join(f"{device} {mib} MiB" for device, mib in service.memory.per_device_mib.items())
+        click.echo(f"{service.name}: {service.model} on {service.engine}, GPUs {service.gpus or 'none'}, "
+                   f"port {service.port}, context {service.ctx} ({service.cache_type_k} cache); {memory}")
+        for reason in service.reasons:
+            click.echo(f"  - {reason}")
+        env = " ".join(f"{key}={value}" for key, value in service.env.items())
+        click.echo(f"  {env + ' ' if env else ''}llama-server {' '.join(service.args)}")
+    for item in plan.unplaced:
+        click.echo(f"not placed: {item.model}: {item.reason}")
+
+
+@click.command("plan")
+@click.argument("box", required=False)
+@click.option("--fleet", "fleet_path", type=click.Path(path_type=Path, dir_okay=False),
+              help="Fleet file naming BOX and the models it wants (probes BOX read-only).")
+@click.option("--profile", "profile_path", type=click.Path(path_type=Path, dir_okay=False),
+              help="A saved `controller probe --json` profile to plan for, instead of probing a box.")
+@click.option("--model", "models", multiple=True,
+              help="Catalog id (or GGUF path/URL) to serve; repeat for several. With --profile.")
+@click.option("--ctx", type=click.IntRange(min=512), default=None,
+              help="Context each model must offer (default: the largest that fits, up to 131072).")
+@click.option("--agents", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Concurrent agents per model: --parallel N with one shared KV cache.")
+@click.option("--base-port", type=click.IntRange(1024, 65000), default=8001, show_default=True,
+              help="Port of the first model; the others follow. With --profile.")
+@click.option("--catalog", "catalogs", multiple=True, type=click.Path(path_type=Path, dir_okay=False),
+              help="Extra model catalog merged over the built-in one. With --profile.")
+@click.option("--header", "header_pairs", multiple=True,
+              help="ID=PATH_OR_URL: estimate catalog model ID from this GGUF's header (read, never downloaded).")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON: {fits, services, unplaced}.")
+def plan(box: str | None, fleet_path: Path | None, profile_path: Path | None, models: tuple[str, ...],
+         ctx: int | None, agents: int, base_port: int, catalogs: tuple[Path, ...], header_pairs: tuple[str, ...],
+         as_json: bool) -> None:
+    """Plan the llama.cpp services for BOX (probed), or for a saved profile and the given models."""
+    headers = _headers(header_pairs)
+    if box is not None:
+        if profile_path or models or ctx is not None or agents != 1 or catalogs:
+            raise click.UsageError("with BOX the fleet file says what to serve: drop --profile, --model, --ctx, "
+                                   "--agents and --catalog, or drop BOX to plan from a profile")
+        if fleet_path is None:
+            raise click.UsageError("planning box BOX needs the fleet file that says how to reach it: add --fleet FILE")
+    elif profile_path is None or not models:
+        raise click.UsageError("give BOX with --fleet FILE, or --profile PROFILE.json with at least one --model ID")
+    try:
+        result = (_plan_box(box, fleet_path, headers) if box is not None else
+                  _plan_profile(profile_path, models, ctx, agents, base_port, catalogs, headers))
+    except ControllerError as exc:
+        raise PlanFailed(str(exc), exc.exit_code) from None
+    emit(result, as_json)

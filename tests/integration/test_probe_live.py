@@ -1,0 +1,132 @@
+"""`controller probe` against a real Linux box: the lab's systemd container over real SSH.
+
+The container has no GPU, so a stand-in nvidia-smi (controller.lab.standin_smi, test harness only)
+prints a fixture machine's captured outputs; everything else (SSH, the probe script, /proc, df,
+os-release, the parsers, the CLI) is the real thing. Also: the provisioning refusal for a driver
+outside R570-R580, and the probe's speed (under 3 s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from controller.fleet import load_fleet
+from controller.lab import standin_smi
+from controller.lab.target import Target
+from controller.probe import parse_outputs
+from controller.probe.collect import probe_box
+
+pytestmark = pytest.mark.podman
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURES = REPO / "tests" / "fixtures" / "probe"
+PROBE_BUDGET_S = 3.0
+PLAN_EXIT = 4
+
+
+def controller(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "controller", *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=300, check=False)
+
+
+@pytest.fixture(scope="module")
+def fleet(systemd_target: Target, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("probe-live")
+    path = folder / "fleet.yml"
+    path.write_text(yaml.safe_dump({"boxes": {"lab1": {
+        "address": systemd_target.host, "port": systemd_target.ssh_port, "user": "root",
+        "key": str(systemd_target.key), "model_dir": "/var/lib/llama/models",
+    }}}))
+    return path
+
+
+def gpu_facts(profile: dict) -> dict:
+    """The part of a profile that comes from nvidia-smi (the rest is the container's own)."""
+    return {key: profile[key] for key in ("gpus", "driver", "nvlink", "boards")}
+
+
+def with_driver(machine: str, old: str, new: str, cuda: tuple[str, str]) -> dict[str, str]:
+    """A fixture machine's captures as the same box would print them with another driver installed."""
+    captures = standin_smi.captures_from_dir(FIXTURES / machine)
+    return {name: text.replace(old, new).replace(f"CUDA Version: {cuda[0]}", f"CUDA Version: {cuda[1]}")
+            for name, text in captures.items()}
+
+
+def test_probe_json_over_ssh_reports_the_fixture_machine(systemd_target: Target, fleet: Path) -> None:
+    captures = standin_smi.captures_from_dir(FIXTURES / "twelve-v100-threadripper")
+    standin_smi.install(systemd_target, captures)
+    done = controller("probe", "lab1", "--fleet", str(fleet), "--json")
+    assert done.returncode == 0, done.stderr
+    profile = json.loads(done.stdout)
+
+    expected = parse_outputs(captures).model_dump(mode="json")
+    assert gpu_facts(profile) == gpu_facts(expected)
+    assert len(profile["gpus"]) == 12 and profile["gpus"][0]["compute_capability"] == "7.0"
+    assert profile["boards"] == [[0, 1], [2, 3], [4, 5, 8, 9], [6, 7, 10, 11]]
+    assert profile["driver"] == {"version": "580.95.05", "cuda_version": "13.0", "model": None}
+    # The rest is the container itself, read over SSH.
+    assert profile["os"] == {"family": "linux", "name": "Debian GNU/Linux", "version": "12", "wsl": False}
+    assert profile["cpu"]["threads"] == os.cpu_count()
+    assert profile["memory_mib"] > 0
+    assert profile["disks"][0]["path"] == "/var/lib/llama/models" and profile["disks"][0]["free_mib"] > 0
+    assert profile["warnings"] == []
+    # One round trip asked for each output once (the query first, with compute_cap).
+    asked = standin_smi.calls(systemd_target)
+    assert len(asked) == 4 and asked[0].startswith("--query-gpu=index,uuid,") and "compute_cap" in asked[0]
+    assert asked[1:] == ["", "topo -m", "nvlink -s"]
+
+
+def test_a_box_captured_with_the_table_only_takes_gpus_from_the_table(systemd_target: Target, fleet: Path) -> None:
+    standin_smi.install(systemd_target, standin_smi.captures_from_dir(FIXTURES / "single-v100-32g-table-only"))
+    profile, outputs, _seconds = probe_box(load_fleet(fleet).box("lab1"))
+    assert outputs["nvidia-smi-query.csv"] == "" and outputs["nvidia-smi-topo.txt"] == ""
+    assert [(gpu.name, gpu.memory_mib) for gpu in profile.gpus] == [("Tesla V100-PCIE-32GB", 32764)]
+    assert profile.boards == [[0]]
+
+
+def test_probe_over_ssh_takes_under_3_s(systemd_target: Target, fleet: Path) -> None:
+    standin_smi.install(systemd_target, standin_smi.captures_from_dir(FIXTURES / "twelve-v100-threadripper"))
+    box = load_fleet(fleet).box("lab1")
+    timings = [probe_box(box)[2] for _ in range(3)]
+    assert max(timings) < PROBE_BUDGET_S, timings
+
+
+@pytest.mark.parametrize(("machine", "old", "new", "cuda", "why"), [
+    ("single-v100-16g-linux", "570.172.08", "535.247.01", ("12.8", "12.2"), "is too old for the CUDA 12.8 engine"),
+    ("single-v100-16g-linux", "570.172.08", "590.44.01", ("12.8", "13.1"), "no longer supports Volta (sm_70)"),
+])
+def test_render_and_provision_refuse_a_driver_outside_the_window(
+        systemd_target: Target, fleet: Path, machine: str, old: str, new: str, cuda: tuple[str, str],
+        why: str) -> None:
+    standin_smi.install(systemd_target, with_driver(machine, old, new, cuda))
+    probed = controller("probe", "lab1", "--fleet", str(fleet), "--json")
+    assert probed.returncode == 0, probed.stderr
+    profile = json.loads(probed.stdout)
+    assert profile["driver"]["version"] == new
+    assert any(new in warning for warning in profile["warnings"]), profile["warnings"]
+
+    inventory = fleet.parent / f"inventory-{new}"
+    for action in ("render", "provision"):
+        done = controller(action, "lab1", "--fleet", str(fleet), "--inventory", str(inventory))
+        assert done.returncode == PLAN_EXIT, (action, done.stdout, done.stderr)
+        assert "Traceback" not in done.stderr
+        assert f"box lab1: NVIDIA driver {new} {why}" in done.stderr
+        assert "install an R570-R580 driver" in done.stderr
+    assert not (inventory / "hosts.yml").exists()  # refused before anything was rendered or run
+
+
+def test_a_real_r535_capture_is_refused_naming_the_driver(systemd_target: Target, fleet: Path,
+                                                          real_fixtures: Path) -> None:
+    table = (real_fixtures / "smi-2xv100-pcie-32gb-linux-535-no-processes.txt").read_text()
+    standin_smi.install(systemd_target, {"nvidia-smi.txt": table})
+    done = controller("render", "lab1", "--fleet", str(fleet), "--inventory", str(fleet.parent / "inv-535"))
+    assert done.returncode == PLAN_EXIT, done.stderr
+    assert "NVIDIA driver 535.104.05 is too old" in done.stderr
+    assert "install an R570-R580 driver (e.g. 570.x)" in done.stderr
