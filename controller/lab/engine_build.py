@@ -54,7 +54,7 @@ def sdist_path() -> Path:
     """Download the pinned sdist once and verify it."""
     folder = cache_root() / "sdist"
     target = folder / f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
-    if target.exists() and _sha256(target) == SDIST_SHA256:
+    if target.exists() and sha256_file(target) == SDIST_SHA256:
         return target
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
@@ -64,14 +64,14 @@ def sdist_path() -> Path:
             check=True,
         )
         (downloaded,) = Path(tmp).glob("*.tar.gz")
-        actual = _sha256(downloaded)
+        actual = sha256_file(downloaded)
         if actual != SDIST_SHA256:
             raise RuntimeError(f"{downloaded.name}: sha256 {actual}, expected {SDIST_SHA256}")
         os.replace(downloaded, target)
     return target
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while chunk := handle.read(1 << 20):

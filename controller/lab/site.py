@@ -10,7 +10,6 @@ Everything is written under one folder that ``controller.lab.fileserver.FileServ
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import tarfile
@@ -20,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from controller.lab import engine_build, tinymodels
+from controller.lab.engine_build import sha256_file
 
 PACK_NAME = "llama-cpu-0c1e570-linux-x86_64.tar.gz"
 MODEL_REPO = "lab/tiny-models-GGUF"
@@ -34,14 +34,6 @@ class LabModel:
 
 
 DEMO_MODELS = (LabModel("tiny-llama", "tiny-llama-q8_0.gguf", "llama"),)
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -1,0 +1,154 @@
+#!/usr/bin/python
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: llama_api_check
+short_description: Check that a llama-server answers both chat APIs as the expected model
+description:
+  - Calls C(/health), C(/v1/models), one C(/v1/chat/completions) (OpenAI API) and one C(/v1/messages)
+    (Anthropic API) on a llama-server, in one module run, and reports what each answered.
+  - Fails when the server is unhealthy, does not list I(model) among its ids, or either API does not
+    answer with a reply.
+  - Read-only for the host; chat requests only generate a few tokens.
+options:
+  base_url:
+    description: Address of the server, e.g. C(http://127.0.0.1:8001).
+    type: str
+    required: true
+  model:
+    description: Model id the server must answer to (its C(--alias)).
+    type: str
+    required: true
+  api_key:
+    description: Key sent as C(Authorization: Bearer) and C(x-api-key) when the server requires one.
+    type: str
+    default: ""
+  prompt:
+    description: User message sent through each API.
+    type: str
+    default: Say hello in five words.
+  max_tokens:
+    description: Tokens to ask for.
+    type: int
+    default: 16
+  timeout:
+    description: Seconds to wait for each reply.
+    type: int
+    default: 120
+author: v100-llm-box
+"""
+
+EXAMPLES = r"""
+- name: Check the Gemma server
+  llama_api_check:
+    base_url: http://127.0.0.1:8011
+    model: gemma4-26b-a4b-qat-q4_0
+    api_key: "{{ llama_service_api_key }}"
+"""
+
+RETURN = r"""
+health:
+  description: The C(status) field of C(/health).
+  type: str
+  returned: always
+served_ids:
+  description: Model ids listed by C(/v1/models).
+  type: list
+  elements: str
+  returned: when the server is healthy
+openai:
+  description: C(object), C(completion_tokens), C(tokens_per_second) and the start of C(text) of the OpenAI reply.
+  type: dict
+  returned: when the server is healthy
+anthropic:
+  description: C(type), C(output_tokens), C(stop_reason) and the start of C(text) of the Anthropic reply.
+  type: dict
+  returned: when the server is healthy
+"""
+
+import json
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.six.moves.urllib.error import HTTPError, URLError
+from ansible.module_utils.urls import open_url
+
+TEXT_KEPT = 200
+
+
+def call(base_url, path, headers, timeout, body=None):
+    """One JSON request; returns the decoded body or raises RuntimeError with a short reason."""
+    data = None if body is None else json.dumps(body).encode()
+    all_headers = dict(headers, **({"Content-Type": "application/json"} if body is not None else {}))
+    try:
+        response = open_url(base_url.rstrip("/") + path, data=data, headers=all_headers,
+                            method="GET" if body is None else "POST", timeout=timeout)
+        return json.loads(response.read() or b"{}")
+    except HTTPError as exc:
+        raise RuntimeError(f"{path} answered HTTP {exc.code}") from None
+    except (URLError, OSError) as exc:
+        raise RuntimeError(f"{path}: {getattr(exc, 'reason', exc)}") from None
+    except ValueError:
+        raise RuntimeError(f"{path} did not answer JSON") from None
+
+
+def check(base_url, model, api_key, prompt, max_tokens, timeout):
+    """Run the four checks; returns (result, list of problems)."""
+    headers = {"Authorization": "Bearer " + api_key, "x-api-key": api_key} if api_key else {}
+    result = {"health": call(base_url, "/health", {}, timeout).get("status", "unknown")}
+    problems = [] if result["health"] == "ok" else [f"/health says {result['health']}"]
+    listed = call(base_url, "/v1/models", headers, timeout)
+    result["served_ids"] = [item.get("id") for item in listed.get("data", [])]
+    if model not in result["served_ids"]:
+        problems.append(f"serves {result['served_ids']}, not {model}")
+    messages = [{"role": "user", "content": prompt}]
+    openai = call(base_url, "/v1/chat/completions", headers, timeout,
+                  {"model": model, "messages": messages, "max_tokens": max_tokens})
+    choice = (openai.get("choices") or [{}])[0].get("message") or {}
+    result["openai"] = {
+        "object": openai.get("object", ""),
+        "completion_tokens": (openai.get("usage") or {}).get("completion_tokens", 0),
+        "tokens_per_second": round((openai.get("timings") or {}).get("predicted_per_second", 0), 2),
+        "text": (choice.get("content") or "")[:TEXT_KEPT],
+    }
+    if result["openai"]["object"] != "chat.completion":
+        problems.append(f"the OpenAI API answered {result['openai']['object']!r}, not a chat.completion")
+    anthropic = call(base_url, "/v1/messages", dict(headers, **{"anthropic-version": "2023-06-01"}), timeout,
+                     {"model": model, "messages": messages, "max_tokens": max_tokens})
+    result["anthropic"] = {
+        "type": anthropic.get("type", ""),
+        "output_tokens": (anthropic.get("usage") or {}).get("output_tokens", 0),
+        "stop_reason": anthropic.get("stop_reason") or "",
+        "text": "".join(part.get("text", "") for part in anthropic.get("content") or []
+                        if part.get("type") == "text")[:TEXT_KEPT],
+    }
+    if result["anthropic"]["type"] != "message":
+        problems.append(f"the Anthropic API answered {result['anthropic']['type']!r}, not a message")
+    return result, problems
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec=dict(
+            base_url=dict(type="str", required=True),
+            model=dict(type="str", required=True),
+            api_key=dict(type="str", default="", no_log=True),
+            prompt=dict(type="str", default="Say hello in five words."),
+            max_tokens=dict(type="int", default=16),
+            timeout=dict(type="int", default=120),
+        ),
+        supports_check_mode=True,
+    )
+    params = module.params
+    try:
+        result, problems = check(params["base_url"], params["model"], params["api_key"], params["prompt"],
+                                 params["max_tokens"], params["timeout"])
+    except RuntimeError as exc:
+        module.fail_json(msg=f"{params['base_url']}: {exc}", health="unreachable")
+    if problems:
+        module.fail_json(msg=f"{params['base_url']}: {'; '.join(problems)}", **result)
+    module.exit_json(changed=False, **result)
+
+
+if __name__ == "__main__":
+    main()
