@@ -12,7 +12,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 
-from controller.probe.text import Warnings, clean_lines, has_content, looks_binary, shorten
+from controller.probe.text import Warnings, clean_lines, readable, shorten
 
 
 @dataclass
@@ -39,10 +39,7 @@ def _unique(items: list[str]) -> list[str]:
 def parse_cpuinfo(text: str, warnings: Warnings, file: str = "cpuinfo") -> CpuFacts:
     """Model, physical cores (distinct physical id/core id pairs), threads and flags from /proc/cpuinfo."""
     facts = CpuFacts()
-    if not has_content(text):
-        return facts
-    if looks_binary(text):
-        warnings.add(file, None, "is not text (binary data); ignored")
+    if not readable(text, warnings, file):
         return facts
     processors = 0
     cores: set[tuple[str, str]] = set()
@@ -75,10 +72,7 @@ def parse_cpuinfo(text: str, warnings: Warnings, file: str = "cpuinfo") -> CpuFa
 def parse_lscpu(text: str, warnings: Warnings, file: str = "lscpu.txt") -> CpuFacts:
     """The same facts from ``lscpu`` (C locale); fills what /proc/cpuinfo lacks, e.g. on ARM."""
     facts = CpuFacts()
-    if not has_content(text):
-        return facts
-    if looks_binary(text):
-        warnings.add(file, None, "is not text (binary data); ignored")
+    if not readable(text, warnings, file):
         return facts
     values = {key: (number, value) for number, key, value in _key_values(text)}
     facts.model = values.get("model name", (0, None))[1] or None
@@ -120,10 +114,7 @@ def parse_nproc(text: str, warnings: Warnings, file: str = "nproc") -> int | Non
 
 def parse_meminfo(text: str, warnings: Warnings, file: str = "meminfo") -> int | None:
     """MemTotal in MiB."""
-    if not has_content(text):
-        return None
-    if looks_binary(text):
-        warnings.add(file, None, "is not text (binary data); ignored")
+    if not readable(text, warnings, file):
         return None
     for number, key, value in _key_values(text):
         if key == "memtotal":
@@ -146,10 +137,7 @@ class OsRelease:
 def parse_os_release(text: str, warnings: Warnings, file: str = "os-release") -> OsRelease:
     """NAME and VERSION_ID (falling back to VERSION, then PRETTY_NAME) from /etc/os-release."""
     release = OsRelease()
-    if not has_content(text):
-        return release
-    if looks_binary(text):
-        warnings.add(file, None, "is not text (binary data); ignored")
+    if not readable(text, warnings, file):
         return release
     values: dict[str, str] = {}
     for line in clean_lines(text):
@@ -192,10 +180,7 @@ class DfRow:
 def parse_df(text: str, warnings: Warnings, file: str = "df.txt") -> list[DfRow]:
     """Rows of ``df -P -k PATH``: POSIX format, one line per filesystem, sizes in 1024-byte blocks."""
     rows: list[DfRow] = []
-    if not has_content(text):
-        return rows
-    if looks_binary(text):
-        warnings.add(file, None, "is not text (binary data); ignored")
+    if not readable(text, warnings, file):
         return rows
     lines = [line for line in clean_lines(text) if line.text.strip()]
     block = 1024

@@ -81,3 +81,13 @@ def shorten(text: str, limit: int = 60) -> str:
     """Quote a bit of offending input in a warning without flooding it."""
     text = text.strip()
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def readable(text: str, warnings: Warnings, file: str) -> bool:
+    """True when ``text`` is worth parsing: it has content and is not binary (which is warned about)."""
+    if not has_content(text):
+        return False
+    if looks_binary(text):
+        warnings.add(file, None, "is not text (binary data); ignored")
+        return False
+    return True
