@@ -14,8 +14,6 @@ never written here; the runner hands them to Ansible in a private file for the l
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +21,7 @@ import yaml
 
 from controller.catalog import Catalog
 from controller.errors import CatalogError, PlanError
+from controller.files import write_atomic
 from controller.fleet import Box, Fleet
 from controller.profile import HardwareProfile
 from controller.serveplan import ServePlan
@@ -41,19 +40,6 @@ class _Dumper(yaml.SafeDumper):
 
 def _yaml(data: Any) -> str:
     return HEADER + yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1000)
-
-
-def _write(path: Path, text: str) -> None:
-    """Replace a file atomically so a reader never sees half of it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def connection_vars(box: Box) -> dict[str, Any]:
@@ -161,9 +147,9 @@ def render_box(inventory: Path, fleet: Fleet, box: Box, profile: HardwareProfile
             {k: v for k, v in host_vars(box, plan, catalog).items() if v is not None}),
     }
     for path, text in files.items():
-        _write(path, text)
+        write_atomic(path, text)
         written.append(path)
     hosts = inventory / "hosts.yml"
-    _write(hosts, _yaml(hosts_yml(fleet, load_profiles(inventory))))
+    write_atomic(hosts, _yaml(hosts_yml(fleet, load_profiles(inventory))))
     written.append(hosts)
     return written

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from controller.files import write_atomic
 from controller.fleet import Box
 from controller.profile import HardwareProfile
 from controller.runner import RunResult
@@ -98,9 +99,8 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def write_report(folder: Path, report: dict[str, Any]) -> tuple[Path, Path]:
-    folder.mkdir(parents=True, exist_ok=True)
     json_path = folder / f"{report['box']}.json"
     md_path = folder / f"{report['box']}.md"
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    md_path.write_text(markdown(report))
+    write_atomic(json_path, json.dumps(report, indent=2) + "\n")
+    write_atomic(md_path, markdown(report))
     return json_path, md_path

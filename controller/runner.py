@@ -83,22 +83,21 @@ def _environ_without(values: set[str]) -> Iterator[None]:
         os.environ.update(hidden)
 
 
-def base_env(inventory: Path | None = None) -> dict[str, str]:
+def base_env() -> dict[str, str]:
     # ansible-playbook lives beside this interpreter (a venv's bin/), which need not be on PATH.
     bin_dir = str(Path(sys.executable).parent)
-    env = {
+    return {
         "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "/usr/bin:/bin")]),
         "ANSIBLE_CONFIG": str(PROJECT_ROOT / "ansible.cfg"),
         "ANSIBLE_ROLES_PATH": str(PROJECT_ROOT / "roles"),
         "ANSIBLE_LIBRARY": str(PROJECT_ROOT / "plugins" / "modules"),
         "ANSIBLE_FILTER_PLUGINS": str(PROJECT_ROOT / "plugins" / "filter"),
         "ANSIBLE_NOCOLOR": "1",
+        # Reruns reuse a box's facts (OS family, package manager) for a day instead of gathering them
+        # again; the cache is <inventory>/facts (run_playbook passes it as fact_cache).
+        "ANSIBLE_GATHERING": "smart",
+        "ANSIBLE_CACHE_PLUGIN_TIMEOUT": "86400",
     }
-    if inventory is not None:
-        # Reruns reuse a box's facts (OS family, package manager) for a day instead of gathering again.
-        # The cache lives in <inventory>/facts (run_playbook passes it as fact_cache).
-        env |= {"ANSIBLE_GATHERING": "smart", "ANSIBLE_CACHE_PLUGIN_TIMEOUT": "86400"}
-    return env
 
 
 def run_playbook(
@@ -166,7 +165,7 @@ def run_playbook(
             limit=limit,
             extravars=dict(extravars or {}),
             cmdline=shlex.join(cmdline) if cmdline else None,
-            envvars=base_env(inventory),
+            envvars=base_env(),
             # Joined onto the run's artifact dir; an absolute path keeps one cache per inventory.
             fact_cache=str((inventory / "facts").resolve()),
             fact_cache_type="jsonfile",

@@ -8,12 +8,12 @@ The container is kept after the run, so the served model can be tried; ``teardow
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
 
+from controller.files import write_atomic
 from controller.lab import target as lab_target
 from controller.lab.fileserver import FileServer
 from controller.lab.site import build_site
@@ -58,9 +58,7 @@ def write_fleet(folder: Path, target: lab_target.Target, server: FileServer, cat
         },
     }
     path = folder / "fleet.yml"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("# The demo box; written by `controller demo`.\n" + yaml.safe_dump(fleet, sort_keys=False))
-    os.replace(tmp, path)
+    write_atomic(path, "# The demo box; written by `controller demo`.\n" + yaml.safe_dump(fleet, sort_keys=False))
     return path
 
 

@@ -7,7 +7,6 @@ memory lines with the estimator or inspect a failure.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import tempfile
 import time
@@ -18,15 +17,11 @@ from pathlib import Path
 
 import httpx
 
+from controller.lab.target import free_port
+
 
 class ServerStartError(RuntimeError):
     """llama-server exited or did not become healthy; the message carries the end of its log."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from controller.files import write_atomic
 from controller.lab import engine_build, tinymodels
 from controller.lab.engine_build import sha256_file
 
@@ -36,13 +37,6 @@ class LabModel:
 DEMO_MODELS = (LabModel("tiny-llama", "tiny-llama-q8_0.gguf", "llama"),)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def make_pack(engine_dir: Path, dest: Path) -> Path:
     """A reproducible tar.gz with bin/ at its top level, as the llama_engine role expects."""
     buffer = io.BytesIO()
@@ -58,7 +52,7 @@ def make_pack(engine_dir: Path, dest: Path) -> Path:
             info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "root", "root"
             with open(source, "rb") as handle:
                 archive.addfile(info, handle)
-    _write_atomic(dest, buffer.getvalue())
+    write_atomic(dest, buffer.getvalue())
     return dest
 
 
@@ -66,7 +60,7 @@ def write_sums(folder: Path) -> Path:
     lines = [f"{sha256_file(path)}  {path.name}\n" for path in sorted(folder.iterdir())
              if path.is_file() and path.name != "SHA256SUMS" and not path.name.startswith(".")]
     target = folder / "SHA256SUMS"
-    _write_atomic(target, "".join(lines).encode())
+    write_atomic(target, "".join(lines))
     return target
 
 
@@ -94,5 +88,5 @@ def build_site(root: Path, models: tuple[LabModel, ...] = DEMO_MODELS) -> Path:
             "engine": "upstream",
         }
     catalog = root / "catalog.yml"
-    _write_atomic(catalog, yaml.safe_dump({"models": entries}, sort_keys=True).encode())
+    write_atomic(catalog, yaml.safe_dump({"models": entries}, sort_keys=True))
     return catalog

@@ -4,7 +4,6 @@ a generated model served from a local download site, then both APIs, idempotence
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,17 +13,12 @@ import pytest
 import yaml
 
 from controller.lab.fileserver import FileServer
+from controller.lab.target import free_port
 
 pytestmark = [pytest.mark.podman, pytest.mark.engine, pytest.mark.slow]
 
 API_KEY = "sk-e2e-api-key-never-logged-4242"
 HF_TOKEN = "hf_e2e_token_never_logged_4242"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def controller(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

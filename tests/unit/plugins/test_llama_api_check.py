@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from controller.lab import tinymodels
-from controller.lab.llama_server import free_port, serve
+from controller.lab.llama_server import serve
+from controller.lab.target import free_port
 
 pytestmark = pytest.mark.engine
 
