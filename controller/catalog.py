@@ -95,9 +95,35 @@ class EngineEntry(_Strict):
             raise CatalogError(f"engine {self.id} has no release pack for {platform} (packs: {have})") from None
 
 
+class DownloadEntry(_Strict):
+    """A file the Windows roles fetch besides engines and models: the driver installer, WinSW."""
+
+    id: str
+    version: str
+    file: str
+    url: str | None = None  # the publisher's address; a fleet mirror (<base>/<file>) replaces it
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    description: str = ""
+
+    def source(self, mirror: str | None, what: str) -> tuple[str, str]:
+        """(url, sha256) to fetch it from, refusing an unpinned file: it runs as SYSTEM."""
+        url = f"{mirror.rstrip('/')}/{self.file}" if mirror else self.url
+        if not url:
+            raise CatalogError(f"{self.id}: no download address; set {what} in the fleet file to the folder "
+                               f"holding {self.file}")
+        if not self.sha256:
+            raise CatalogError(
+                f"{self.id}: no sha256 pinned for {self.file}; it runs with full rights on the box, so it is only "
+                f"installed when pinned. Hash the file you trust (PowerShell: Get-FileHash -Algorithm SHA256 "
+                f"{self.file}) and add it to a catalog file listed under 'catalogs:' in the fleet file:\n"
+                f"  downloads:\n    {self.id}:\n      sha256: <64 hex digits>")
+        return url, self.sha256
+
+
 class Catalog(_Strict):
     models: dict[str, ModelEntry]
     engines: dict[str, EngineEntry]
+    downloads: dict[str, DownloadEntry] = Field(default_factory=dict)
 
     def model(self, model_id: str) -> ModelEntry:
         try:
@@ -113,6 +139,13 @@ class Catalog(_Strict):
             known = ", ".join(sorted(self.engines))
             raise CatalogError(f"unknown engine id {engine_id!r}; the catalog has: {known}") from None
 
+    def download(self, download_id: str) -> DownloadEntry:
+        try:
+            return self.downloads[download_id]
+        except KeyError:
+            known = ", ".join(sorted(self.downloads)) or "none"
+            raise CatalogError(f"unknown download id {download_id!r}; the catalog has: {known}") from None
+
 
 def _read(text: str, source: str) -> dict:
     try:
@@ -121,9 +154,10 @@ def _read(text: str, source: str) -> dict:
         raise CatalogError(f"{source}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise CatalogError(f"{source}: expected a mapping with 'models' and/or 'engines'")
-    unknown = set(data) - {"hub_url", "models", "engines"}
+    unknown = set(data) - {"hub_url", "models", "engines", "downloads"}
     if unknown:
-        raise CatalogError(f"{source}: unknown top-level keys {sorted(unknown)}; expected hub_url, models, engines")
+        raise CatalogError(f"{source}: unknown top-level keys {sorted(unknown)}; expected hub_url, models, engines, "
+                           "downloads")
     return data
 
 
@@ -152,7 +186,9 @@ def load_catalog(extra: Iterable[Path] = ()) -> Catalog:
     """The built-in catalog with each extra catalog file merged over it, entry by entry."""
     models_text, engines_text = _builtin_texts()
     models = _entries(_read(models_text, "built-in models.yml"), "models", "built-in models.yml")
-    engines = _entries(_read(engines_text, "built-in engines.yml"), "engines", "built-in engines.yml")
+    builtin_engines = _read(engines_text, "built-in engines.yml")
+    engines = _entries(builtin_engines, "engines", "built-in engines.yml")
+    downloads = _entries(builtin_engines, "downloads", "built-in engines.yml")
     for path in extra:
         try:
             text = Path(path).read_text()
@@ -161,8 +197,10 @@ def load_catalog(extra: Iterable[Path] = ()) -> Catalog:
         data = _read(text, str(path))
         models.update(_entries(data, "models", str(path)))
         engines.update(_entries(data, "engines", str(path)))
+        for entry_id, body in _entries(data, "downloads", str(path)).items():  # a pin may name only sha256
+            downloads[entry_id] = {**downloads.get(entry_id, {}), **body}
     try:
-        return Catalog.model_validate({"models": models, "engines": engines})
+        return Catalog.model_validate({"models": models, "engines": engines, "downloads": downloads})
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])

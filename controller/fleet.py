@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -74,8 +75,29 @@ class WantedModel(_Strict):
 class Mirror(_Strict):
     """Base URLs to fetch from instead of the catalog's own addresses (a LAN mirror, or the lab)."""
 
-    engines: str | None = None
+    engines: str | None = None  # engine packs and SHA256SUMS; on Windows also WinSW-x64.exe
     models: str | None = None
+    drivers: str | None = None  # Linux: the NVIDIA package repository; Windows: the folder with the installer
+
+
+class DriverSettings(_Strict):
+    """How the NVIDIA driver is handled on a box with V100s."""
+
+    manage: bool = True  # false: leave the driver alone (the box's owner handles it)
+    branch: int = Field(default=580, description="Linux driver branch, R570-R580")
+    allow_reboot: bool = False  # a driver change or a TCC/MCDM switch may reboot the box
+    wsl2: bool = False  # Windows box used through WSL2: MCDM instead of TCC (slower decode)
+
+    @field_validator("branch")
+    @classmethod
+    def _in_window(cls, value: int) -> int:
+        if value >= 590:
+            raise ValueError(f"R{value} and later dropped Volta (sm_70): the V100 is not supported there; "
+                             "use 580, the last branch with Volta")
+        if not 570 <= value <= 580:
+            raise ValueError(f"R{value} is outside the R570-R580 window (the CUDA 12.8 builds need R570 or "
+                             "newer); use 570 or 580")
+        return value
 
 
 class Box(_Strict):
@@ -95,6 +117,7 @@ class Box(_Strict):
     api_key: Secret | None = None
     hf_token: Secret | None = None
     mirror: Mirror = Field(default_factory=Mirror)
+    driver: DriverSettings = Field(default_factory=DriverSettings)
     winrm_scheme: Literal["https", "http"] = "https"
     winrm_transport: Literal["ntlm", "kerberos", "basic", "credssp"] = "ntlm"
     winrm_insecure_skip_verify: bool = False
@@ -105,6 +128,21 @@ class Box(_Strict):
     def _bind_is_an_address(cls, value: str) -> str:
         ipaddress.ip_address(value)
         return value
+
+    @field_validator("model_dir")
+    @classmethod
+    def _local_model_dir(cls, value: str | None) -> str | None:
+        if value and value.startswith(("\\\\", "//")):
+            raise ValueError(f"{value} is a network path (UNC or \\\\wsl$); the engine reads models at disk "
+                             "speed only from a local volume: use a local path such as D:\\llama\\models")
+        return value
+
+    @model_validator(mode="after")
+    def _windows_model_dir_on_a_drive(self) -> Box:
+        if self.os == "windows" and self.model_dir and not re.match(r"^[A-Za-z]:[\\/]", self.model_dir):
+            raise ValueError(f"model_dir {self.model_dir}: on Windows give a local drive path such as "
+                             "D:\\llama\\models (models must sit on a local NTFS volume)")
+        return self
 
     @property
     def effective_port(self) -> int:
@@ -117,7 +155,7 @@ class Box(_Strict):
     @property
     def effective_model_dir(self) -> str:
         if self.model_dir:
-            return self.model_dir
+            return self.model_dir.replace("/", "\\") if self.os == "windows" else self.model_dir
         return "C:\\llama\\models" if self.os == "windows" else "/var/lib/llama/models"
 
     @property

@@ -10,16 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from controller.catalog import Catalog, load_catalog
-from controller.errors import FleetError, PlanError, ProbeError
+from controller.errors import FleetError, PlanError
 from controller.fleet import Box, Fleet
 from controller.planner import plan_box
+from controller.probe.driver import driver_window_problem
 from controller.profile import HardwareProfile
 from controller.render import render_box
 from controller.report import build_report, write_report
 from controller.runner import EventHandler, RunResult, run_playbook
 from controller.serveplan import ServePlan
-
-DRIVER_WINDOW = (570, 580)  # Volta: CUDA 12.8 binaries need R570+, R595 drops sm_70
 
 
 @dataclass
@@ -32,24 +31,16 @@ class Prepared:
 
 
 def check_driver(box: Box, profile: HardwareProfile) -> None:
-    """Refuse a V100 box whose installed driver is outside the R570-R580 window."""
+    """Refuse a V100 box whose installed driver is outside the R570-R580 window; name the one to install.
+
+    No driver at all is fine: the driver role installs one. A driver in the window is kept as it is.
+    """
     if not any(gpu.is_v100 for gpu in profile.gpus) or not profile.driver.version:
         return
-    try:
-        major = int(profile.driver.version.split(".")[0])
-    except ValueError:
-        raise ProbeError(f"box {box.name}: cannot read the driver version {profile.driver.version!r}") from None
-    low, high = DRIVER_WINDOW
-    if major < low:
-        raise PlanError(
-            f"box {box.name}: NVIDIA driver {profile.driver.version} is too old for the CUDA 12.8 engine builds "
-            f"(they fail with 'device kernel image is invalid'); install an R{low}-R{high} driver (e.g. 570.x)"
-        )
-    if major > high:
-        raise PlanError(
-            f"box {box.name}: NVIDIA driver {profile.driver.version} no longer supports Volta (sm_70); "
-            f"install an R{low}-R{high} driver (e.g. 580.x)"
-        )
+    problem = driver_window_problem(profile.driver.version, has_volta=True, os_family=profile.os.family or box.os,
+                                    wsl=profile.os.wsl)
+    if problem:
+        raise PlanError(f"box {box.name}: {problem}; then provision again")
 
 
 def prepare(fleet: Fleet, box_name: str, inventory: Path) -> Prepared:
@@ -84,7 +75,8 @@ def secrets_for(box: Box) -> dict[str, str]:
 
 
 def verify_data(result: RunResult, box: Box) -> dict[str, Any]:
-    return (result.data.get("llama_verify") or {}).get(box.name, {})
+    key = "win_llama_verify" if box.os == "windows" else "llama_verify"
+    return (result.data.get(key) or {}).get(box.name, {})
 
 
 def provision(fleet: Fleet, box_name: str, inventory: Path, on_event: EventHandler | None = None,

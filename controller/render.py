@@ -23,10 +23,12 @@ from controller.catalog import Catalog
 from controller.errors import CatalogError, PlanError
 from controller.files import write_atomic
 from controller.fleet import Box, Fleet
+from controller.probe.driver import WINDOWS_DRIVER
 from controller.profile import HardwareProfile
 from controller.serveplan import ServePlan
 
 HEADER = "# Rendered by `controller`; edit the fleet file and re-render rather than this file.\n"
+WINSW = "winsw-2.12.0"
 LINUX_PLATFORM = "linux-x86_64"
 WINDOWS_PLATFORM = "windows-x86_64"
 
@@ -58,30 +60,32 @@ def connection_vars(box: Box) -> dict[str, Any]:
     return out
 
 
-def host_vars(box: Box, plan: ServePlan, catalog: Catalog) -> dict[str, Any]:
-    """What the roles need to install and run the plan on this box."""
-    if not plan.services:
-        raise PlanError(f"box {box.name}: the plan places no service; nothing to provision")
-    platform = WINDOWS_PLATFORM if box.os == "windows" else LINUX_PLATFORM
+def _engine_packs(box: Box, plan: ServePlan, catalog: Catalog, platform: str) -> dict[str, dict[str, Any]]:
     engines: dict[str, dict[str, Any]] = {}
-    models: dict[str, dict[str, Any]] = {}
     for service in plan.services:
         engine = catalog.engine(service.engine)
-        if engine.id not in engines:
-            pack = engine.pack(platform)
-            if not box.mirror.engines:
-                raise CatalogError(
-                    f"box {box.name}: engine {engine.id} needs a download address; set mirror.engines in the "
-                    f"fleet file to the folder holding {pack.file} and its SHA256SUMS"
-                )
-            base = box.mirror.engines.rstrip("/")
-            engines[engine.id] = {
-                "name": engine.slot,
-                "version": engine.commit,
-                "url": f"{base}/{pack.file}",
-                "sha256": pack.sha256 or "",
-                "sha256sums_url": "" if pack.sha256 else f"{base}/SHA256SUMS",
-            }
+        if engine.id in engines:
+            continue
+        pack = engine.pack(platform)
+        if not box.mirror.engines:
+            raise CatalogError(
+                f"box {box.name}: engine {engine.id} needs a download address; set mirror.engines in the "
+                f"fleet file to the folder holding {pack.file} and its SHA256SUMS"
+            )
+        base = box.mirror.engines.rstrip("/")
+        engines[engine.id] = {
+            "name": engine.slot,
+            "version": engine.commit,
+            "url": f"{base}/{pack.file}",
+            "sha256": pack.sha256 or "",
+            "sha256sums_url": "" if pack.sha256 else f"{base}/SHA256SUMS",
+        }
+    return engines
+
+
+def _model_files(box: Box, plan: ServePlan, catalog: Catalog) -> list[dict[str, Any]]:
+    models: dict[str, dict[str, Any]] = {}
+    for service in plan.services:
         model = catalog.model(service.model)
         if not model.sha256:
             raise CatalogError(
@@ -94,11 +98,48 @@ def host_vars(box: Box, plan: ServePlan, catalog: Catalog) -> dict[str, Any]:
             "sha256": model.sha256,
             "size": model.size_bytes,
         })
+    return list(models.values())
+
+
+def uses_nccl(plan: ServePlan) -> bool:
+    """A tensor-split service on an NVLink board all-reduces through NCCL."""
+    return any(service.env.get("GGML_CUDA_ALLREDUCE") == "nccl" for service in plan.services)
+
+
+def _gpus(profile: HardwareProfile, *, windows: bool = False) -> list[dict[str, Any]]:
+    out = []
+    for gpu in profile.gpus:
+        entry: dict[str, Any] = {"index": gpu.index, "name": gpu.name, "pci_bus_id": gpu.pci_bus_id}
+        if windows:
+            entry["driver_model"] = profile.driver.model
+        out.append(entry)
+    return out
+
+
+def host_vars(box: Box, plan: ServePlan, catalog: Catalog, profile: HardwareProfile | None = None) -> dict[str, Any]:
+    """What the roles need to install and run the plan on this box."""
+    if not plan.services:
+        raise PlanError(f"box {box.name}: the plan places no service; nothing to provision")
+    profile = profile or HardwareProfile()
+    if box.os == "windows":
+        return {**_windows_host_vars(box, plan, catalog, profile), **box.vars}
+    engines = _engine_packs(box, plan, catalog, LINUX_PLATFORM)
+    nccl = uses_nccl(plan)
+    driver: dict[str, Any] = {
+        "nvidia_driver_manage": box.driver.manage,
+        "nvidia_driver_gpus": _gpus(profile),
+        "nvidia_driver_branch": box.driver.branch,
+        "nvidia_driver_allow_reboot": box.driver.allow_reboot,
+        "nvidia_driver_nccl": nccl,
+    }
+    if box.mirror.drivers:
+        driver["nvidia_driver_repo_url"] = box.mirror.drivers
     return {
-        "ansible_python_interpreter": "/usr/bin/python3" if box.os == "linux" else None,
+        "ansible_python_interpreter": "/usr/bin/python3",
+        **driver,
         "llama_engine_packs": list(engines.values()),
         "gguf_model_dir": box.effective_model_dir,
-        "gguf_model_files": list(models.values()),
+        "gguf_model_files": _model_files(box, plan, catalog),
         "llama_service_bind": box.bind,
         "llama_service_instances": [
             {
@@ -113,7 +154,51 @@ def host_vars(box: Box, plan: ServePlan, catalog: Catalog) -> dict[str, Any]:
             for service in plan.services
         ],
         "llama_service_templates": sorted({s.template for s in plan.services if s.template}),
+        "llama_verify_nccl": nccl,
         **box.vars,
+    }
+
+
+def _windows_host_vars(box: Box, plan: ServePlan, catalog: Catalog, profile: HardwareProfile) -> dict[str, Any]:
+    """The same plan for the win_* roles: zip packs, WinSW services, the driver installer."""
+    engines = _engine_packs(box, plan, catalog, WINDOWS_PLATFORM)
+    nccl = uses_nccl(plan)
+    for service in plan.services:
+        engine = catalog.engine(service.engine)
+        engines[engine.id]["nccl"] = engine.nccl
+    out: dict[str, Any] = {
+        "win_nvidia_driver_manage": box.driver.manage,
+        "win_nvidia_driver_gpus": _gpus(profile, windows=True),
+        "win_nvidia_driver_mode": "mcdm" if box.driver.wsl2 else "tcc",
+        "win_nvidia_driver_allow_reboot": box.driver.allow_reboot,
+    }
+    if box.driver.manage and any(gpu.is_v100 for gpu in profile.gpus):
+        installer = catalog.download(f"nvidia-windows-{WINDOWS_DRIVER}")
+        url, sha256 = installer.source(box.mirror.drivers, "mirror.drivers")
+        out |= {"win_nvidia_driver_version": installer.version, "win_nvidia_driver_url": url,
+                "win_nvidia_driver_sha256": sha256}
+    winsw = catalog.download(WINSW)
+    winsw_url, winsw_sha256 = winsw.source(box.mirror.engines, "mirror.engines")
+    return out | {
+        "win_llama_engine_packs": list(engines.values()),
+        "win_gguf_model_dir": box.effective_model_dir,
+        "win_gguf_model_files": _model_files(box, plan, catalog),
+        "win_llama_service_bind": box.bind,
+        "win_llama_service_winsw": {"version": winsw.version, "url": winsw_url, "sha256": winsw_sha256},
+        "win_llama_service_instances": [
+            {
+                "name": service.name,
+                "model": service.model,
+                "engine": catalog.engine(service.engine).slot,
+                "version": catalog.engine(service.engine).commit,
+                "port": service.port,
+                "args": service.args,
+                "env": service.env,
+            }
+            for service in plan.services
+        ],
+        "win_llama_service_templates": sorted({s.template for s in plan.services if s.template}),
+        "win_llama_verify_nccl": nccl,
     }
 
 
@@ -144,7 +229,7 @@ def render_box(inventory: Path, fleet: Fleet, box: Box, profile: HardwareProfile
         inventory / "probes" / f"{box.name}.json": json.dumps(profile.model_dump(mode="json"), indent=2) + "\n",
         inventory / "plans" / f"{box.name}.json": json.dumps(plan.model_dump(mode="json"), indent=2) + "\n",
         inventory / "host_vars" / f"{box.name}.yml": _yaml(
-            {k: v for k, v in host_vars(box, plan, catalog).items() if v is not None}),
+            {k: v for k, v in host_vars(box, plan, catalog, profile).items() if v is not None}),
     }
     for path, text in files.items():
         write_atomic(path, text)

@@ -13,6 +13,24 @@ from controller.profile import HardwareProfile
 from controller.runner import RunResult
 from controller.serveplan import ServePlan
 
+# Seed figures, one V100, same build and flags, TCC vs MCDM: decode tokens per second.
+MCDM_NOTE = ("the V100s run in MCDM mode so WSL2 can see them; decode is slower than native TCC (measured on one "
+             "card: Gemma 4 99.8 -> 56.8 tok/s, Qwen3 54.5 -> 37.7 tok/s); serve from native Windows to get TCC")
+
+
+def driver_section(box: Box, run: RunResult | None) -> dict[str, Any]:
+    """What the driver role did on the box, and what the buyer should know about it."""
+    data = {} if run is None else (run.data.get("nvidia_driver") or run.data.get("win_nvidia_driver") or {})
+    section = dict(data.get(box.name) or {})
+    notes = list(section.get("notes") or [])
+    if box.os == "windows" and box.driver.wsl2:
+        notes.append(MCDM_NOTE)
+    if section.get("reboot_required") and not section.get("rebooted"):
+        notes.append("a reboot is needed before the new driver or mode is in use; reboot the box (or set "
+                     "driver.allow_reboot: true in the fleet file) and provision again")
+    section["notes"] = notes
+    return section
+
 
 def build_report(box: Box, profile: HardwareProfile, plan: ServePlan, run: RunResult | None,
                  verify: dict[str, Any], probe_seconds: float) -> dict[str, Any]:
@@ -57,6 +75,7 @@ def build_report(box: Box, profile: HardwareProfile, plan: ServePlan, run: RunRe
             "changed": run.changed,
             "stats": {host: vars(stats) for host, stats in run.stats.items()},
         },
+        "driver": driver_section(box, run),
         "services": services,
         "unplaced": [item.model_dump() for item in plan.unplaced],
         "verified": bool(services) and all(service["verified"] for service in services),
@@ -75,9 +94,15 @@ def markdown(report: dict[str, Any]) -> str:
         f"- Driver: {hw['driver'] or 'none'}",
         f"- CPU: {hw['cpu']} ({hw['cores']} cores), RAM {hw['memory_mib']} MiB, {hw['os']}",
         *[f"- Warning: {warning}" for warning in hw["warnings"]],
-        "",
-        "## Services",
     ]
+    driver = report.get("driver") or {}
+    if driver.get("status") or driver.get("notes"):
+        lines += ["", "## Driver"]
+        if driver.get("status"):
+            lines.append(f"- {driver['status']}: version {driver.get('version') or 'none'}"
+                         + (f", {driver['message']}" if driver.get("message") else ""))
+        lines += [f"- Note: {note}" for note in driver.get("notes", [])]
+    lines += ["", "## Services"]
     for service in report["services"]:
         openai, anthropic = service.get("openai") or {}, service.get("anthropic") or {}
         lines += [

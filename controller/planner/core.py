@@ -44,6 +44,7 @@ RESIDENT_UBATCHES = (RESIDENT_UBATCH, 512)
 BATCH = 2048
 GPU_THREADS = 6
 TEMPLATE_DIR = "/etc/llama/templates"
+WINDOWS_TEMPLATE_DIR = "C:\\llama\\templates"  # where roles/win_llama_service puts them
 
 
 def service_name(model_id: str) -> str:
@@ -402,7 +403,8 @@ def _args(service: Service, entry: ModelEntry, place: Placement, model_dir: str,
     if service.spec_decoding:
         args += ["--spec-type", service.spec_decoding]
     if service.template:
-        args += ["--chat-template-file", f"{TEMPLATE_DIR}/{service.template}"]
+        windows = "\\" in model_dir  # a Windows box: its model folder is a drive path
+        args += ["--chat-template-file", _join(WINDOWS_TEMPLATE_DIR if windows else TEMPLATE_DIR, service.template)]
     if cram:
         args += ["-cram", str(CACHE_RAM_MIB)]
     return args + engine.load_flags.get("mlock" if place.offload else "mmap", [])

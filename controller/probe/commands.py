@@ -47,6 +47,8 @@ LINUX_PROBE_COMMANDS: dict[str, str] = {
     "df.txt": _quiet('d={model_dir}; while [ ! -e "$d" ]; do d=$(dirname "$d"); done; df -P -k "$d"'),
     "proc-version": _quiet("cat /proc/version"),
     "nproc": _quiet("nproc --all"),
+    # Cards whose driver is missing or not loaded: nvidia-smi is silent, the PCI bus is not.
+    "lspci.txt": _quiet("lspci -Dnn -d 10de:"),
 }
 """Output file name -> shell command (POSIX sh). ``df.txt`` has a ``{model_dir}`` placeholder: fill
 it with :func:`linux_probe_commands`, which quotes the path."""

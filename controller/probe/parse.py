@@ -21,6 +21,7 @@ from controller.errors import ProbeError
 from controller.probe.commands import LINUX_PROBE_COMMANDS, WINDOWS_PROBE_COMMANDS
 from controller.probe.driver import driver_window_problem
 from controller.probe.gpu_models import known_compute_capability
+from controller.probe.lspci import PciGpu, parse_lspci, pci_gpu
 from controller.probe.nvidia_smi import GpuFields, SmiReading, parse_query_csv, parse_table
 from controller.probe.system import (
     CpuFacts,
@@ -51,10 +52,12 @@ DF = "df.txt"
 WINDOWS_CIM = "windows-cim.json"
 PROC_VERSION = "proc-version"
 NPROC = "nproc"
+LSPCI = "lspci.txt"
 
 PROBE_FILES = (QUERY_CSV, SMI_TABLE, TOPO, NVLINK, CPUINFO, MEMINFO, OS_RELEASE, LSCPU, DF, WINDOWS_CIM,
-               PROC_VERSION, NPROC)
-"""Every output name :func:`parse_outputs` understands (the issue's contract plus proc-version, nproc)."""
+               PROC_VERSION, NPROC, LSPCI)
+"""Every output name :func:`parse_outputs` understands (the issue's contract plus proc-version, nproc,
+lspci.txt)."""
 
 __all__ = ["LINUX_PROBE_COMMANDS", "PROBE_FILES", "WINDOWS_PROBE_COMMANDS", "parse_outputs", "read_dir"]
 
@@ -137,6 +140,10 @@ def parse_outputs(outputs: Mapping[str, str], *, model_dir: str | None = None) -
 
     os_info = _os_info(outputs, table, csv_reading, windows, warnings)
     gpus = _gpus(csv_reading, table, nvlink, warnings)
+    on_bus = _guarded(outputs, LSPCI, parse_lspci, list, warnings)
+    if not gpus:
+        on_bus = on_bus or [pci_gpu(None, device, name) for device, name in windows.nvidia_pci]
+        gpus = _pci_gpus(on_bus, LSPCI if on_bus and on_bus[0].pci_bus_id else WINDOWS_CIM, warnings)
     driver = _driver(csv_reading, table, gpus, os_info, warnings)
     pairs = _pairs(topology, nvlink, gpus, warnings)
     indices = [gpu.index for gpu in gpus] if gpus else topology.gpus
@@ -175,6 +182,17 @@ def _gpus(csv_reading: SmiReading, table: SmiReading, nvlink: dict[int, NvlinkGp
                      f"names cut short by the table (GPU {', '.join(str(gpu.index) for gpu in cut)}: "
                      f"{cut[0].name!r}); {QUERY_CSV} gives full names")
     return gpus
+
+
+def _pci_gpus(found: list[PciGpu], source: str, warnings: Warnings) -> list[Gpu]:
+    """GPUs from the PCI bus when nvidia-smi saw none: the driver is missing or not loaded."""
+    if not found:
+        return []
+    warnings.add(source, found[0].line or None, f"{len(found)} NVIDIA GPU(s) on the PCI bus but nvidia-smi lists none: no "
+                 "driver is loaded; names and memory come from the PCI device ids, NVLink is unknown until the "
+                 "driver is installed")
+    return [Gpu(index=index, name=gpu.name, memory_mib=gpu.memory_mib, pci_bus_id=gpu.pci_bus_id,
+                compute_capability=known_compute_capability(gpu.name)) for index, gpu in enumerate(found)]
 
 
 def _pick(attribute: str, *sources: object) -> object:

@@ -16,7 +16,8 @@
     }
 
 Win32_Processor, Win32_ComputerSystem, Win32_PhysicalMemory, Win32_LogicalDisk (DriveType=3: local
-fixed disks) and Win32_OperatingSystem are the CIM classes; ``ProcessorFeatures`` comes from the Win32
+fixed disks) and Win32_OperatingSystem are the CIM classes (plus Win32_PnPEntity for NVIDIA cards on the PCI bus,
+which show up even when no driver is installed); ``ProcessorFeatures`` comes from the Win32
 ``IsProcessorFeaturePresent`` call (PF_AVX_INSTRUCTIONS_AVAILABLE=39, PF_AVX2_...=40,
 PF_AVX512F_...=41), because CIM has no CPU flags and the prebuilt binaries need AVX2. Windows builds
 older than 10 2004 do not know features 39-41 and report false; the parser then says AVX2 is
@@ -30,6 +31,7 @@ noise before the object, a one-element array collapsed to a bare object, and arr
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +58,7 @@ try {
   PhysicalMemory = @(Get-CimInstance Win32_PhysicalMemory | Select-Object Capacity)
   LogicalDisk = @(Get-CimInstance Win32_LogicalDisk -Filter 'DriveType=3' | Select-Object DeviceID, FileSystem, Size, FreeSpace, VolumeName)
   OperatingSystem = Get-CimInstance Win32_OperatingSystem | Select-Object Caption, Version, BuildNumber, OSArchitecture
+  NvidiaPci = @(Get-CimInstance Win32_PnPEntity -Filter "PNPDeviceID LIKE 'PCI\\VEN_10DE%'" | Where-Object { $_.PNPClass -in @('Display', $null, '') } | Select-Object Name, PNPDeviceID)
   ProcessorFeatures = $features
 } | ConvertTo-Json -Depth 4 -Compress
 """.strip()
@@ -83,6 +86,7 @@ class WindowsFacts:
     os_name: str | None = None
     os_version: str | None = None
     disks: list[WindowsDisk] = field(default_factory=list)
+    nvidia_pci: list[tuple[str, str | None]] = field(default_factory=list)  # (device id, name): seen without a driver
     found: bool = False
 
 
@@ -102,6 +106,10 @@ def parse_windows_cim(text: str, warnings: Warnings, file: str = FILE) -> Window
     _read_memory(data.get("ComputerSystem"), _as_list(data.get("PhysicalMemory")), facts)
     _read_os(data.get("OperatingSystem"), facts)
     _read_disks(_as_list(data.get("LogicalDisk")), facts, warnings, file)
+    for device in _as_list(data.get("NvidiaPci")):
+        match = re.search(r"VEN_10DE&DEV_([0-9A-Fa-f]{4})", _as_str(device.get("PNPDeviceID")) or "")
+        if match:
+            facts.nvidia_pci.append((match.group(1).lower(), _as_str(device.get("Name"))))
     return facts
 
 

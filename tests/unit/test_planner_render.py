@@ -126,16 +126,21 @@ def test_render_carries_a_split_service_env_and_engine_pack(tmp_path):
     from tests.unit.planner.helpers import DUAL, profile
 
     catalog = _pinned(tmp_path, "qwen3.6-27b-q4_k_m")
-    f = fleet(tmp_path, models=[{"id": "qwen3.6-27b-q4_k_m", "agents": 4}], os="windows", transport="winrm")
+    f = fleet(tmp_path, models=[{"id": "qwen3.6-27b-q4_k_m", "agents": 4}])
     box = f.box("box1")
-    plan = plan_box(box, profile(DUAL), catalog)
-    paths = render_box(tmp_path / "inv", f, box, profile(DUAL), plan, catalog)
+    dual = profile(DUAL).model_copy(update={"os": OsInfo(family="linux")})
+    plan = plan_box(box, dual, catalog)
+    paths = render_box(tmp_path / "inv", f, box, dual, plan, catalog)
     host_vars = yaml.safe_load(next(p for p in paths if p.name == "box1.yml").read_text())
     (instance,) = host_vars["llama_service_instances"]
     assert instance["engine"] == "upstream-nccl" and not instance["mlock"]
     assert instance["env"] == {"CUDA_VISIBLE_DEVICES": "0,1", "GGML_CUDA_ALLREDUCE": "nccl"}
     assert "--split-mode" in instance["args"] and instance["args"][instance["args"].index("--split-mode") + 1] == "tensor"
-    assert host_vars["llama_engine_packs"][0]["url"].endswith("llama-upstream-nccl-02182fc-windows-x86_64-cuda12.8-sm70.zip")
+    assert host_vars["llama_engine_packs"][0]["url"].endswith("llama-upstream-nccl-02182fc-linux-x86_64-cuda12.6-sm70.tar.gz")
+    # NCCL all-reduce: the driver role installs libnccl2 and verify loads it
+    assert host_vars["nvidia_driver_nccl"] is True and host_vars["llama_verify_nccl"] is True
+    assert [gpu["name"] for gpu in host_vars["nvidia_driver_gpus"]] == ["Tesla V100-SXM2-16GB"] * 2
+    assert (host_vars["nvidia_driver_branch"], host_vars["nvidia_driver_allow_reboot"]) == (580, False)
 
 
 def test_render_marks_an_offloading_service_for_mlock(tmp_path):

@@ -181,8 +181,8 @@ def test_unknown_gpu_is_listed_with_a_warning() -> None:
 
 
 def test_unknown_output_name_is_ignored_with_a_warning() -> None:
-    profile = parse_outputs({"lspci.txt": "01:00.0 3D controller: NVIDIA"})
-    assert profile.warnings == ["lspci.txt: not a probe output this parser knows; ignored"]
+    profile = parse_outputs({"dmesg.txt": "[    0.000000] Linux version 6.1"})
+    assert profile.warnings == ["dmesg.txt: not a probe output this parser knows; ignored"]
 
 
 def test_fixture_header_lines_are_skipped_everywhere() -> None:
