@@ -91,7 +91,7 @@ def render(box: str, fleet_path: Path, inventory: Path | None, as_json: bool) ->
 def verify(box: str, fleet_path: Path, inventory: Path | None, as_json: bool) -> None:
     """Run playbooks/verify.yml on BOX's rendered inventory and print what its servers answered."""
     from controller.progress import Progress
-    from controller.provision import secrets_for
+    from controller.provision import secrets_for, verify_data
     from controller.runner import run_playbook
 
     fleet = _load(fleet_path)
@@ -102,7 +102,7 @@ def verify(box: str, fleet_path: Path, inventory: Path | None, as_json: bool) ->
     progress = Progress(as_json=as_json)
     result = run_playbook("verify.yml", inventory=folder, limit=box, secrets=secrets_for(target), on_event=progress)
     progress.summary(result)
-    click.echo(json.dumps(result.data.get("llama_verify", {}).get(box, {}), indent=None if as_json else 2))
+    click.echo(json.dumps(verify_data(result, target), indent=None if as_json else 2))
 
 
 def _register_commands() -> None:

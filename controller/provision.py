@@ -65,9 +65,10 @@ def prepare(fleet: Fleet, box_name: str, inventory: Path) -> Prepared:
 
 def secrets_for(box: Box) -> dict[str, str]:
     secrets = {}
+    prefix = "win_" if box.os == "windows" else ""
     if box.api_key is not None:
-        secrets["llama_service_api_key"] = box.api_key.resolve(f"box {box.name} api_key")
-    if box.hf_token is not None:
+        secrets[f"{prefix}llama_service_api_key"] = box.api_key.resolve(f"box {box.name} api_key")
+    if box.hf_token is not None and box.os == "linux":  # the Windows model role downloads from a mirror
         secrets["gguf_model_hf_token"] = box.hf_token.resolve(f"box {box.name} hf_token")
     if box.password is not None:
         secrets["ansible_password"] = box.password.resolve(f"box {box.name} password")

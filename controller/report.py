@@ -25,7 +25,7 @@ def driver_section(box: Box, run: RunResult | None) -> dict[str, Any]:
     notes = list(section.get("notes") or [])
     if box.os == "windows" and box.driver.wsl2:
         notes.append(MCDM_NOTE)
-    if section.get("reboot_required") and not section.get("rebooted"):
+    if (section.get("reboot_required") or section.get("reboot_needed")) and not section.get("rebooted"):
         notes.append("a reboot is needed before the new driver or mode is in use; reboot the box (or set "
                      "driver.allow_reboot: true in the fleet file) and provision again")
     section["notes"] = notes

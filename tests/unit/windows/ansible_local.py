@@ -1,0 +1,54 @@
+"""Run a small playbook on localhost (connection local) with the project's ansible.cfg, roles and collections."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+PROJECT = Path(__file__).resolve().parents[3]
+ROLES = PROJECT / "roles"
+WIN_ROLES = sorted(path for path in ROLES.glob("win_*") if path.is_dir())
+
+
+def _bin(name: str) -> str:
+    return str(Path(sys.executable).with_name(name))
+
+
+def run_playbook(tmp_path: Path, plays: list, extra_vars: dict | None = None, json_output: bool = False):
+    """Write the plays and an inventory for localhost into tmp_path and run them; returns the finished process."""
+    playbook = tmp_path / "play.yml"
+    playbook.write_text(yaml.safe_dump(plays, sort_keys=False))
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text(
+        yaml.safe_dump(
+            {
+                "all": {
+                    "hosts": {
+                        "localhost": {
+                            "ansible_connection": "local",
+                            "ansible_python_interpreter": sys.executable,
+                        }
+                    }
+                }
+            }
+        )
+    )
+    argv = [_bin("ansible-playbook"), "-i", str(inventory), str(playbook)]
+    if extra_vars:
+        vars_file = tmp_path / "extra.json"
+        vars_file.write_text(json.dumps(extra_vars))
+        argv += ["-e", f"@{vars_file}"]
+    env = dict(os.environ, ANSIBLE_CONFIG=str(PROJECT / "ansible.cfg"), ANSIBLE_NOCOLOR="1")
+    if json_output:
+        env |= {"ANSIBLE_STDOUT_CALLBACK": "ansible.posix.json", "ANSIBLE_SHOW_CUSTOM_STATS": "1"}
+    return subprocess.run(argv, cwd=PROJECT, env=env, capture_output=True, text=True, timeout=300, check=False)
+
+
+def role_vars(role: str) -> list[str]:
+    """The defaults and vars files of a role, for vars_files of a rendering play."""
+    return [str(ROLES / role / "defaults" / "main.yml"), str(ROLES / role / "vars" / "main.yml")]
