@@ -78,6 +78,8 @@ class Mirror(_Strict):
     engines: str | None = None  # engine packs and SHA256SUMS; on Windows also WinSW-x64.exe
     models: str | None = None
     drivers: str | None = None  # Linux: the NVIDIA package repository; Windows: the folder with the installer
+    drivers_key: str | None = None  # Linux: URL of that repository's signing key (apt signed-by, dnf gpgkey)
+    drivers_trusted: bool = False  # Linux: trust that repository without a key (a local mirror you control)
 
 
 class DriverSettings(_Strict):
@@ -142,6 +144,14 @@ class Box(_Strict):
         if self.os == "windows" and self.model_dir and not re.match(r"^[A-Za-z]:[\\/]", self.model_dir):
             raise ValueError(f"model_dir {self.model_dir}: on Windows give a local drive path such as "
                              "D:\\llama\\models (models must sit on a local NTFS volume)")
+        return self
+
+    @model_validator(mode="after")
+    def _driver_mirror_is_signed(self) -> Box:
+        mirror = self.mirror
+        if self.os == "linux" and mirror.drivers and not (mirror.drivers_key or mirror.drivers_trusted):
+            raise ValueError(f"mirror.drivers {mirror.drivers}: give mirror.drivers_key (the URL of its signing "
+                             "key), or set mirror.drivers_trusted: true for a local mirror you trust without one")
         return self
 
     @property

@@ -134,6 +134,8 @@ def host_vars(box: Box, plan: ServePlan, catalog: Catalog, profile: HardwareProf
     }
     if box.mirror.drivers:
         driver["nvidia_driver_repo_url"] = box.mirror.drivers
+        driver["nvidia_driver_repo_key_url"] = box.mirror.drivers_key or ""
+        driver["nvidia_driver_repo_trusted"] = box.mirror.drivers_trusted
     return {
         "ansible_python_interpreter": "/usr/bin/python3",
         **driver,

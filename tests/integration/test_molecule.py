@@ -3,9 +3,10 @@
 Scenarios read their inputs from the environment, which this test sets:
 V100BOX_LAB_URL (the lab site: engine pack, SHA256SUMS, tiny model, a source tarball),
 V100BOX_TOKEN_URL and V100BOX_LAB_TOKEN (the same site behind a bearer token),
-V100BOX_MODEL_SHA256 / V100BOX_MODEL_SIZE, V100BOX_SOURCE_SHA256, V100BOX_TEST_PORT and
-V100BOX_TARGET_IMAGE. To run one by hand, serve a site with `python -m controller.lab.fileserver`
-and export the same variables, then `cd roles/<role> && molecule test -s <scenario>`.
+V100BOX_MODEL_SHA256 / V100BOX_MODEL_SIZE, V100BOX_SOURCE_SHA256, V100BOX_TEST_PORT,
+V100BOX_APT_URL (the stand-in NVIDIA driver repository, `python -m controller.lab.aptrepo build DIR`) and
+V100BOX_TARGET_IMAGE. To run one by hand, serve a site with `python -m controller.lab.fileserver` and export
+the same variables, then `cd roles/<role> && molecule test -s <scenario>`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from controller.lab import aptrepo
 from controller.lab.fileserver import FileServer
 from controller.lab.site import sha256_file
 
@@ -34,6 +36,7 @@ SCENARIOS = [
     ("llama_service", "default"),
     ("llama_service", "exposed"),
     ("llama_verify", "default"),
+    ("nvidia_driver", "default"),
 ]
 TOKEN = "lab-token-for-molecule"
 
@@ -80,7 +83,9 @@ def scenario_env(lab_site, target_image):
     root, catalog = lab_site
     source = _source_tarball(root / "src" / "tiny-llama-source.tar.gz")
     model = yaml.safe_load(catalog.read_text())["models"]["tiny-llama"]
-    with FileServer(root) as open_server, FileServer(root, token=TOKEN) as token_server:
+    apt_root = aptrepo.build()
+    with (FileServer(root) as open_server, FileServer(root, token=TOKEN) as token_server,
+          FileServer(apt_root) as apt_server):
         yield {
             **os.environ,
             "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
@@ -90,6 +95,7 @@ def scenario_env(lab_site, target_image):
             "V100BOX_MODEL_SHA256": model["sha256"],
             "V100BOX_MODEL_SIZE": str(model["size_bytes"]),
             "V100BOX_SOURCE_SHA256": sha256_file(source),
+            "V100BOX_APT_URL": apt_server.url,
             "V100BOX_TARGET_IMAGE": target_image,
             "ANSIBLE_FORCE_COLOR": "0",
             "PY_COLORS": "0",

@@ -99,8 +99,10 @@ def test_probe_over_ssh_takes_under_3_s(systemd_target: Target, fleet: Path) -> 
 
 
 @pytest.mark.parametrize(("machine", "old", "new", "cuda", "why"), [
-    ("single-v100-16g-linux", "570.172.08", "535.247.01", ("12.8", "12.2"), "is too old for the CUDA 12.8 engine"),
-    ("single-v100-16g-linux", "570.172.08", "590.44.01", ("12.8", "13.1"), "no longer supports Volta (sm_70)"),
+    ("single-v100-16g-linux", "570.172.08", "535.247.01", ("12.8", "12.2"),
+     "(R535) is older than R570, which the CUDA 12.8 sm_70 builds need"),
+    ("single-v100-16g-linux", "570.172.08", "590.44.01", ("12.8", "13.1"),
+     "(R590) is newer than the R580 branch, the last to support Volta"),
 ])
 def test_render_and_provision_refuse_a_driver_outside_the_window(
         systemd_target: Target, fleet: Path, machine: str, old: str, new: str, cuda: tuple[str, str],
@@ -117,8 +119,8 @@ def test_render_and_provision_refuse_a_driver_outside_the_window(
         done = controller(action, "lab1", "--fleet", str(fleet), "--inventory", str(inventory))
         assert done.returncode == PLAN_EXIT, (action, done.stdout, done.stderr)
         assert "Traceback" not in done.stderr
-        assert f"box lab1: NVIDIA driver {new} {why}" in done.stderr
-        assert "install an R570-R580 driver" in done.stderr
+        assert f"box lab1: driver {new} {why}" in done.stderr
+        assert "install an R580 driver with the proprietary kernel modules" in done.stderr
     assert not (inventory / "hosts.yml").exists()  # refused before anything was rendered or run
 
 
@@ -128,5 +130,5 @@ def test_a_real_r535_capture_is_refused_naming_the_driver(systemd_target: Target
     standin_smi.install(systemd_target, {"nvidia-smi.txt": table})
     done = controller("render", "lab1", "--fleet", str(fleet), "--inventory", str(fleet.parent / "inv-535"))
     assert done.returncode == PLAN_EXIT, done.stderr
-    assert "NVIDIA driver 535.104.05 is too old" in done.stderr
-    assert "install an R570-R580 driver (e.g. 570.x)" in done.stderr
+    assert "driver 535.104.05 (R535) is older than R570" in done.stderr
+    assert "install an R580 driver with the proprietary kernel modules" in done.stderr

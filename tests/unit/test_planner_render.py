@@ -4,10 +4,11 @@ import pytest
 import yaml
 
 from controller.catalog import load_catalog
-from controller.errors import CatalogError, PlanError
+from controller.errors import CatalogError, FleetError, PlanError
 from controller.fleet import parse_fleet
 from controller.planner import plan_box
 from controller.profile import Cpu, Gpu, HardwareProfile, OsInfo
+from controller.render import host_vars as render_host_vars
 from controller.render import render_box
 
 SHA = "cd" * 32
@@ -153,3 +154,21 @@ def test_render_marks_an_offloading_service_for_mlock(tmp_path):
     paths = render_box(tmp_path / "inv", f, box, profile(SINGLE), plan, catalog)
     (instance,) = yaml.safe_load(next(p for p in paths if p.name == "box1.yml").read_text())["llama_service_instances"]
     assert instance["engine"] == "ik" and instance["mlock"] and instance["args"][-2:] == ["--no-mmap", "--mlock"]
+
+
+def test_a_driver_mirror_carries_its_signing_key_or_an_explicit_trust(tmp_path):
+    catalog = _pinned(tmp_path, "qwen3.6-27b-q4_k_m")
+    base = {"engines": "http://127.0.0.1:1/engines", "models": "http://127.0.0.1:1",
+            "drivers": "http://mirror.lan/cuda/debian12/x86_64/"}
+    with pytest.raises(FleetError, match=r"mirror\.drivers_key .*drivers_trusted: true"):
+        fleet(tmp_path, mirror=base)
+
+    for extra, key, trusted in ((
+            {"drivers_key": "http://mirror.lan/cuda/3bf863cc.pub"}, "http://mirror.lan/cuda/3bf863cc.pub", False),
+            ({"drivers_trusted": True}, "", True)):
+        f = fleet(tmp_path, mirror=base | extra, models=[{"id": "qwen3.6-27b-q4_k_m"}], driver={"manage": False})
+        box = f.box("box1")
+        hv = render_host_vars(box, plan_box(box, v100_profile(32768), catalog), catalog, v100_profile(32768))
+        assert hv["nvidia_driver_repo_url"] == base["drivers"]
+        assert (hv["nvidia_driver_repo_key_url"], hv["nvidia_driver_repo_trusted"]) == (key, trusted)
+        assert hv["nvidia_driver_manage"] is False

@@ -1,0 +1,167 @@
+"""The stand-in NVIDIA apt repository: real .debs, a consistent index, and packages that behave."""
+
+from __future__ import annotations
+
+import ctypes
+import gzip
+import hashlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from controller.lab import aptrepo
+
+pytestmark = pytest.mark.skipif(shutil.which("dpkg-deb") is None or shutil.which("cc") is None,
+                                reason="dpkg-deb and cc build the stand-in packages (Debian host)")
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("V100BOX_CACHE", str(cache))
+        return aptrepo.build()
+
+
+def _stanzas(repo: Path) -> list[dict[str, str]]:
+    stanzas = []
+    for block in (repo / "Packages").read_text().strip().split("\n\n"):
+        fields = {}
+        for line in block.splitlines():
+            if not line.startswith(" "):
+                key, _, value = line.partition(": ")
+                fields[key] = value
+        stanzas.append(fields)
+    return stanzas
+
+
+def _extract(repo: Path, name: str, version: str, dest: Path) -> Path:
+    deb = repo / f"{name}_{version}_amd64.deb"
+    subprocess.run(["dpkg-deb", "-x", str(deb), str(dest)], check=True)
+    return dest
+
+
+def test_index_lists_every_deb_with_matching_checksums(repo: Path) -> None:
+    stanzas = _stanzas(repo)
+    debs = sorted(path.name for path in repo.glob("*.deb"))
+    assert sorted(s["Filename"].removeprefix("./") for s in stanzas) == debs
+    for stanza in stanzas:
+        data = (repo / stanza["Filename"]).read_bytes()
+        assert stanza["SHA256"] == hashlib.sha256(data).hexdigest()
+        assert int(stanza["Size"]) == len(data)
+    assert gzip.decompress((repo / "Packages.gz").read_bytes()) == (repo / "Packages").read_bytes()
+    release = (repo / "Release").read_text()
+    for name in ("Packages", "Packages.gz"):
+        data = (repo / name).read_bytes()
+        assert f" {hashlib.sha256(data).hexdigest()} {len(data)} {name}\n" in release
+
+
+def test_every_driver_version_has_the_real_package_names(repo: Path) -> None:
+    names = {(s["Package"], s["Version"]) for s in _stanzas(repo)}
+    for version in aptrepo.DRIVER_VERSIONS:
+        for name in ("nvidia-driver", "nvidia-kernel-dkms", "nvidia-kernel-open-dkms", "nvidia-open", "nvidia-smi",
+                     "libcuda1", "libnvidia-ml1", "nvidia-persistenced"):
+            assert (name, version) in names
+    assert {v for n, v in names if n == "libnccl2"} == set(aptrepo.NCCL_VERSIONS)
+    majors = {int(v.split(".")[0]) for n, v in names if n == "nvidia-driver"}
+    assert min(majors) < 570 and max(majors) >= 595  # outside the window on both sides
+
+
+def test_driver_prefers_the_open_module_unless_the_proprietary_one_is_named(repo: Path) -> None:
+    stanza = next(s for s in _stanzas(repo) if s["Package"] == "nvidia-driver" and s["Version"] == "580.95.05-1")
+    first, second = stanza["Depends"].split(", ")[0].split(" | ")
+    assert first == "nvidia-kernel-open-dkms (= 580.95.05-1)" and second == "nvidia-kernel-dkms (= 580.95.05-1)"
+    dkms = next(s for s in _stanzas(repo) if s["Package"] == "nvidia-kernel-dkms" and s["Version"] == "580.95.05-1")
+    assert dkms["Conflicts"] == "nvidia-kernel-open-dkms"
+
+
+def test_standin_nvidia_smi_answers_the_role_query(repo: Path, tmp_path: Path) -> None:
+    root = _extract(repo, "nvidia-smi", "580.95.05-1", tmp_path)
+    script = (root / "usr/bin/nvidia-smi").read_text()
+    # The box reads its fixture from an absolute path; point the copy at the extracted one.
+    script = script.replace(f'"/{aptrepo.STANDIN_GPUS}"', repr(str(root / aptrepo.STANDIN_GPUS)))
+    (root / "smi.py").write_text(script)
+
+    def smi(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(root / "smi.py"), *args], capture_output=True, text=True,
+                              check=False)
+
+    done = smi("--query-gpu=index,pci.bus_id,name,driver_version", "--format=csv,noheader")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "0, 00000000:04:00.0, Tesla V100-PCIE-32GB, 580.95.05",
+        "1, 00000000:1B:00.0, Tesla V100-PCIE-32GB, 580.95.05",
+    ]
+    assert smi("--query-gpu=name", "--format=csv").stdout.splitlines()[0] == "name"
+    assert smi("--query-gpu=clocks.bogus", "--format=csv").returncode == 2
+    assert smi("-pm", "1").stdout.endswith("All done.\n")
+    assert smi("--frobnicate").returncode == 2
+
+
+def test_libnccl_loads_and_reports_its_package_version(repo: Path, tmp_path: Path) -> None:
+    for version, code in zip(aptrepo.NCCL_VERSIONS, (22707, 22803)):
+        root = _extract(repo, "libnccl2", version.replace(":", "%3a"), tmp_path / version)
+        link = root / aptrepo.LIB_DIR / "libnccl.so.2"
+        assert link.is_symlink()
+        value = ctypes.c_int(0)
+        assert ctypes.CDLL(str(link)).ncclGetVersion(ctypes.byref(value)) == 0
+        assert value.value == code == aptrepo.nccl_code(version)
+
+
+def test_persistenced_ships_a_unit(repo: Path, tmp_path: Path) -> None:
+    root = _extract(repo, "nvidia-persistenced", "580.95.05-1", tmp_path)
+    unit = (root / "lib/systemd/system/nvidia-persistenced.service").read_text()
+    assert "ExecStart=/usr/bin/nvidia-persistenced" in unit and "WantedBy=multi-user.target" in unit
+
+
+@pytest.mark.skipif(shutil.which("apt-get") is None, reason="apt-get resolves the repository (Debian host)")
+def test_apt_resolves_the_repository_and_a_pin_holds_the_branch(repo: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    (state / "lists" / "partial").mkdir(parents=True)
+    (tmp_path / "cache" / "archives" / "partial").mkdir(parents=True)
+    # An empty system but for python3, which the stand-in nvidia-smi depends on.
+    (tmp_path / "status").write_text("Package: python3\nStatus: install ok installed\nVersion: 3.11.2-1+b1\n"
+                                     "Architecture: amd64\nMaintainer: lab\nDescription: stand-in\n")
+    (tmp_path / "preferences.d").mkdir()
+    (tmp_path / "sources.list").write_text(f"deb [trusted=yes] file:{repo} /\n")
+    options = [
+        f"-oDir::Etc::SourceList={tmp_path / 'sources.list'}", "-oDir::Etc::SourceParts=/nonexistent",
+        f"-oDir::Etc::PreferencesParts={tmp_path / 'preferences.d'}", "-oDir::Etc::Preferences=/nonexistent",
+        f"-oDir::State={state}", f"-oDir::State::status={tmp_path / 'status'}", f"-oDir::Cache={tmp_path / 'cache'}",
+        "-oAPT::Architecture=amd64", "-oAPT::Architectures::=amd64", "-oDebug::NoLocking=1",
+    ]
+    subprocess.run(["apt-get", *options, "update"], check=True, capture_output=True)
+
+    def installs(*packages: str) -> set[str]:
+        out = subprocess.run(["apt-get", *options, "-s", "install", *packages], check=True, capture_output=True,
+                             text=True).stdout
+        return {" ".join(line.split()[1:3]) for line in out.splitlines() if line.startswith("Inst ")}
+
+    # Unpinned, apt takes the newest branch and the open module: what the role must prevent.
+    assert "nvidia-kernel-open-dkms (595.45.04-1" in installs("nvidia-driver")
+    (tmp_path / "preferences.d" / "nvidia.pref").write_text(
+        "Package: nvidia-driver nvidia-kernel-dkms nvidia-smi libcuda1 libnvidia-ml1\n"
+        "Pin: version 580.*\nPin-Priority: 1001\n"
+    )
+    chosen = installs("nvidia-driver", "nvidia-kernel-dkms")
+    assert "nvidia-driver (580.95.05-1" in chosen and "nvidia-kernel-dkms (580.95.05-1" in chosen
+    assert not any("open" in line for line in chosen)
+
+
+def test_build_is_cached_by_its_inputs(repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("V100BOX_CACHE", str(repo.parent.parent))
+    assert aptrepo.build() == repo  # same inputs: the cached repository, not a rebuild
+    key = aptrepo.input_key()
+    monkeypatch.setattr(aptrepo, "DRIVER_VERSIONS", aptrepo.DRIVER_VERSIONS[:-1])
+    assert aptrepo.input_key() != key
+
+
+def test_cli_builds_into_a_folder(repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("V100BOX_CACHE", str(repo.parent.parent))
+    assert aptrepo.main(["build", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "Packages").read_bytes() == (repo / "Packages").read_bytes()
+    assert "deb [trusted=yes] http://127.0.0.1:PORT/ /" in capsys.readouterr().out
