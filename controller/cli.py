@@ -1,6 +1,7 @@
 """``controller``: probe, plan, render, provision and verify V100 LLM boxes.
 
-One action maps to one playbook: ``provision`` runs playbooks/site.yml, ``verify`` playbooks/verify.yml.
+One action maps to one playbook: ``provision`` runs playbooks/site.yml, ``driver`` playbooks/driver.yml,
+``verify`` playbooks/verify.yml.
 """
 
 from __future__ import annotations
@@ -81,6 +82,27 @@ def render(box: str, fleet_path: Path, inventory: Path | None, as_json: bool) ->
     else:
         click.echo(f"Rendered {target}/hosts.yml and {target}/host_vars/{box}.yml; run:\n"
                    f"  ansible-playbook -i {target}/hosts.yml playbooks/site.yml --limit {box}")
+
+
+@cli.command()
+@click.argument("box")
+@fleet_option
+@inventory_option
+@json_option
+def driver(box: str, fleet_path: Path, inventory: Path | None, as_json: bool) -> None:
+    """Probe BOX and install only its NVIDIA driver (playbooks/driver.yml); says when a reboot is needed."""
+    from controller.progress import Progress
+    from controller.provision import install_driver
+
+    progress = Progress(as_json=as_json)
+    section, result = install_driver(_load(fleet_path), box, _inventory_for(fleet_path, inventory), progress)
+    progress.summary(result)
+    if as_json:
+        click.echo(json.dumps({"type": "driver", "box": box, **section}))
+        return
+    click.echo(f"{box}: {section.get('status') or 'done'}: {section.get('message') or ''}".rstrip(": "))
+    for note in section.get("notes", []):
+        click.echo(f"  note: {note}")
 
 
 @cli.command()

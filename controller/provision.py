@@ -16,7 +16,7 @@ from controller.planner import plan_box
 from controller.probe.driver import driver_window_problem
 from controller.profile import HardwareProfile
 from controller.render import render_box
-from controller.report import build_report, write_report
+from controller.report import build_report, driver_section, write_report
 from controller.runner import EventHandler, RunResult, run_playbook
 from controller.serveplan import ServePlan
 
@@ -43,16 +43,21 @@ def check_driver(box: Box, profile: HardwareProfile) -> None:
         raise PlanError(f"box {box.name}: {problem}; then provision again")
 
 
-def prepare(fleet: Fleet, box_name: str, inventory: Path) -> Prepared:
-    """Probe, plan and render one box; no change to the box."""
-    from controller.probe.collect import probe_box
-
+def _box_and_catalog(fleet: Fleet, box_name: str) -> tuple[Box, Catalog]:
     box = fleet.box(box_name)
     catalog = load_catalog(fleet.catalogs)
     for wanted in box.models:  # fail on an unknown id before touching the network
         if wanted.id not in catalog.models:
             known = ", ".join(sorted(catalog.models))
             raise FleetError(f"{fleet.source}: box {box.name!r}: unknown model id {wanted.id!r}; the catalog has: {known}")
+    return box, catalog
+
+
+def prepare(fleet: Fleet, box_name: str, inventory: Path) -> Prepared:
+    """Probe, plan and render one box; no change to the box."""
+    from controller.probe.collect import probe_box
+
+    box, catalog = _box_and_catalog(fleet, box_name)
     profile, _raw, seconds = probe_box(box)
     check_driver(box, profile)
     plan = plan_box(box, profile, catalog)
@@ -90,3 +95,25 @@ def provision(fleet: Fleet, box_name: str, inventory: Path, on_event: EventHandl
                           prepared.probe_seconds)
     write_report(inventory / "reports", report)
     return report, result
+
+
+def install_driver(fleet: Fleet, box_name: str, inventory: Path, on_event: EventHandler | None = None,
+                   ) -> tuple[dict[str, Any], RunResult]:
+    """Probe the box and run playbooks/driver.yml: only the NVIDIA driver (and NCCL where the plan wants it).
+
+    A box that names models is planned and rendered in full, as ``provision`` would, so the inventory stays
+    whole; one that names none gets only the driver role's inputs.
+    """
+    from controller.probe.collect import probe_box
+
+    box, catalog = _box_and_catalog(fleet, box_name)
+    if box.models:
+        prepared = prepare(fleet, box_name, inventory)
+        profile = prepared.profile
+    else:
+        profile, _raw, _seconds = probe_box(box)
+        check_driver(box, profile)
+        render_box(inventory, fleet, box, profile, None, catalog)
+    result = run_playbook("driver.yml", inventory=inventory, limit=box.name, secrets=secrets_for(box),
+                          on_event=on_event)
+    return driver_section(box, result), result

@@ -116,6 +116,35 @@ def _gpus(profile: HardwareProfile, *, windows: bool = False) -> list[dict[str, 
     return out
 
 
+def driver_vars(box: Box, profile: HardwareProfile, catalog: Catalog, *, nccl: bool = False) -> dict[str, Any]:
+    """What the driver role of the box's OS needs: the probed GPUs, the branch, the mirror, reboot and NCCL."""
+    if box.os == "windows":
+        out: dict[str, Any] = {
+            "win_nvidia_driver_manage": box.driver.manage,
+            "win_nvidia_driver_gpus": _gpus(profile, windows=True),
+            "win_nvidia_driver_mode": "mcdm" if box.driver.wsl2 else "tcc",
+            "win_nvidia_driver_allow_reboot": box.driver.allow_reboot,
+        }
+        if box.driver.manage and any(gpu.is_v100 for gpu in profile.gpus):
+            installer = catalog.download(f"nvidia-windows-{WINDOWS_DRIVER}")
+            url, sha256 = installer.source(box.mirror.drivers, "mirror.drivers")
+            out |= {"win_nvidia_driver_version": installer.version, "win_nvidia_driver_url": url,
+                    "win_nvidia_driver_sha256": sha256}
+        return out
+    out = {
+        "nvidia_driver_manage": box.driver.manage,
+        "nvidia_driver_gpus": _gpus(profile),
+        "nvidia_driver_branch": box.driver.branch,
+        "nvidia_driver_allow_reboot": box.driver.allow_reboot,
+        "nvidia_driver_nccl": nccl,
+    }
+    if box.mirror.drivers:
+        out["nvidia_driver_repo_url"] = box.mirror.drivers
+        out["nvidia_driver_repo_key_url"] = box.mirror.drivers_key or ""
+        out["nvidia_driver_repo_trusted"] = box.mirror.drivers_trusted
+    return out
+
+
 def host_vars(box: Box, plan: ServePlan, catalog: Catalog, profile: HardwareProfile | None = None) -> dict[str, Any]:
     """What the roles need to install and run the plan on this box."""
     if not plan.services:
@@ -125,20 +154,9 @@ def host_vars(box: Box, plan: ServePlan, catalog: Catalog, profile: HardwareProf
         return {**_windows_host_vars(box, plan, catalog, profile), **box.vars}
     engines = _engine_packs(box, plan, catalog, LINUX_PLATFORM)
     nccl = uses_nccl(plan)
-    driver: dict[str, Any] = {
-        "nvidia_driver_manage": box.driver.manage,
-        "nvidia_driver_gpus": _gpus(profile),
-        "nvidia_driver_branch": box.driver.branch,
-        "nvidia_driver_allow_reboot": box.driver.allow_reboot,
-        "nvidia_driver_nccl": nccl,
-    }
-    if box.mirror.drivers:
-        driver["nvidia_driver_repo_url"] = box.mirror.drivers
-        driver["nvidia_driver_repo_key_url"] = box.mirror.drivers_key or ""
-        driver["nvidia_driver_repo_trusted"] = box.mirror.drivers_trusted
     return {
         "ansible_python_interpreter": "/usr/bin/python3",
-        **driver,
+        **driver_vars(box, profile, catalog, nccl=nccl),
         "llama_engine_packs": list(engines.values()),
         "gguf_model_dir": box.effective_model_dir,
         "gguf_model_files": _model_files(box, plan, catalog),
@@ -168,20 +186,10 @@ def _windows_host_vars(box: Box, plan: ServePlan, catalog: Catalog, profile: Har
     for service in plan.services:
         engine = catalog.engine(service.engine)
         engines[engine.id]["nccl"] = engine.nccl
-    out: dict[str, Any] = {
-        "win_nvidia_driver_manage": box.driver.manage,
-        "win_nvidia_driver_gpus": _gpus(profile, windows=True),
-        "win_nvidia_driver_mode": "mcdm" if box.driver.wsl2 else "tcc",
-        "win_nvidia_driver_allow_reboot": box.driver.allow_reboot,
-    }
-    if box.driver.manage and any(gpu.is_v100 for gpu in profile.gpus):
-        installer = catalog.download(f"nvidia-windows-{WINDOWS_DRIVER}")
-        url, sha256 = installer.source(box.mirror.drivers, "mirror.drivers")
-        out |= {"win_nvidia_driver_version": installer.version, "win_nvidia_driver_url": url,
-                "win_nvidia_driver_sha256": sha256}
+    driver = driver_vars(box, profile, catalog)
     winsw = catalog.download(WINSW)
     winsw_url, winsw_sha256 = winsw.source(box.mirror.engines, "mirror.engines")
-    return out | {
+    return driver | {
         "win_llama_engine_packs": list(engines.values()),
         "win_gguf_model_dir": box.effective_model_dir,
         "win_gguf_model_files": _model_files(box, plan, catalog),
@@ -223,16 +231,22 @@ def load_profiles(inventory: Path) -> dict[str, HardwareProfile]:
     return profiles
 
 
-def render_box(inventory: Path, fleet: Fleet, box: Box, profile: HardwareProfile, plan: ServePlan,
+def render_box(inventory: Path, fleet: Fleet, box: Box, profile: HardwareProfile, plan: ServePlan | None,
                catalog: Catalog) -> list[Path]:
-    """Write this box's probe, plan and host_vars, then hosts.yml for the whole fleet."""
+    """Write this box's probe, plan and host_vars, then hosts.yml for the whole fleet.
+
+    Without a plan (a box that names no model yet) only the driver role's inputs are written.
+    """
+    if plan is None:
+        box_vars = {"ansible_python_interpreter": "/usr/bin/python3"} if box.os == "linux" else {}
+        box_vars |= driver_vars(box, profile, catalog) | box.vars
+    else:
+        box_vars = host_vars(box, plan, catalog, profile)
+    files = {inventory / "probes" / f"{box.name}.json": json.dumps(profile.model_dump(mode="json"), indent=2) + "\n"}
+    if plan is not None:
+        files[inventory / "plans" / f"{box.name}.json"] = json.dumps(plan.model_dump(mode="json"), indent=2) + "\n"
+    files[inventory / "host_vars" / f"{box.name}.yml"] = _yaml({k: v for k, v in box_vars.items() if v is not None})
     written = []
-    files = {
-        inventory / "probes" / f"{box.name}.json": json.dumps(profile.model_dump(mode="json"), indent=2) + "\n",
-        inventory / "plans" / f"{box.name}.json": json.dumps(plan.model_dump(mode="json"), indent=2) + "\n",
-        inventory / "host_vars" / f"{box.name}.yml": _yaml(
-            {k: v for k, v in host_vars(box, plan, catalog, profile).items() if v is not None}),
-    }
     for path, text in files.items():
         write_atomic(path, text)
         written.append(path)

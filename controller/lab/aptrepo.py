@@ -79,7 +79,9 @@ import sys
 
 VERSION = "@VERSION@"
 FILES = ("/etc/nvidia-smi-standin/gpus.csv", "/@GPUS@")
-KNOWN = ("index", "pci.bus_id", "name", "driver_version", "memory.total", "persistence_mode")
+KNOWN = ("index", "uuid", "name", "serial", "pci.bus_id", "memory.total", "compute_cap", "driver_version",
+         "driver_model.current", "power.limit", "temperature.gpu", "persistence_mode")
+UNITS = {"memory.total": "[MiB]", "power.limit": "[W]"}
 
 
 def gpus():
@@ -87,8 +89,10 @@ def gpus():
     with open(path, newline="") as handle:
         rows = [[cell.strip() for cell in row] for row in csv.reader(handle) if row]
     persistence = "Enabled" if os.path.exists("/run/nvidia-persistenced/socket") else "Disabled"
-    return [{"index": r[0], "pci.bus_id": r[1], "name": r[2], "driver_version": VERSION,
-             "memory.total": r[3] + " MiB", "persistence_mode": persistence} for r in rows]
+    return [{"index": r[0], "uuid": "GPU-00000000-0000-0000-0000-%012d" % int(r[0]), "name": r[2],
+             "serial": "03230000000%02d" % int(r[0]), "pci.bus_id": r[1], "memory.total": r[3] + " MiB",
+             "compute_cap": "7.0", "driver_version": VERSION, "driver_model.current": "[N/A]",
+             "power.limit": "250.00 W", "temperature.gpu": "31", "persistence_mode": persistence} for r in rows]
 
 
 def query(fields, fmt):
@@ -101,7 +105,7 @@ def query(fields, fmt):
         print("Only CSV output is supported by --query-gpu.", file=sys.stderr)
         return 2
     if "noheader" not in fmt.split(","):
-        print(", ".join(wanted))
+        print(", ".join(" ".join(filter(None, (name, UNITS.get(name)))) for name in wanted))
     for gpu in gpus():
         print(", ".join(gpu[name] for name in wanted))
     return 0

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from controller.lab import aptrepo
+from controller.probe import parse_outputs
+from controller.probe.nvidia_smi import QUERY_FIELDS
 
 pytestmark = pytest.mark.skipif(shutil.which("dpkg-deb") is None or shutil.which("cc") is None,
                                 reason="dpkg-deb and cc build the stand-in packages (Debian host)")
@@ -96,6 +98,15 @@ def test_standin_nvidia_smi_answers_the_role_query(repo: Path, tmp_path: Path) -
         "1, 00000000:1B:00.0, Tesla V100-PCIE-32GB, 580.95.05",
     ]
     assert smi("--query-gpu=name", "--format=csv").stdout.splitlines()[0] == "name"
+    # The probe's own query, read by the probe's parser: the box probes as two V100s on the new driver.
+    probe_query = smi(f"--query-gpu={','.join(QUERY_FIELDS)}", "--format=csv")
+    assert probe_query.returncode == 0, probe_query.stderr
+    profile = parse_outputs({"nvidia-smi-query.csv": probe_query.stdout})
+    assert [(g.name, g.memory_mib, g.compute_capability, g.pci_bus_id) for g in profile.gpus] == [
+        ("Tesla V100-PCIE-32GB", 32768, "7.0", "00000000:04:00.0"),
+        ("Tesla V100-PCIE-32GB", 32768, "7.0", "00000000:1B:00.0"),
+    ]
+    assert profile.driver.version == "580.95.05" and not profile.warnings
     assert smi("--query-gpu=clocks.bogus", "--format=csv").returncode == 2
     assert smi("-pm", "1").stdout.endswith("All done.\n")
     assert smi("--frobnicate").returncode == 2
