@@ -108,8 +108,7 @@ def install_driver(fleet: Fleet, box_name: str, inventory: Path, on_event: Event
 
     box, catalog = _box_and_catalog(fleet, box_name)
     if box.models:
-        prepared = prepare(fleet, box_name, inventory)
-        profile = prepared.profile
+        prepare(fleet, box_name, inventory)
     else:
         profile, _raw, _seconds = probe_box(box)
         check_driver(box, profile)
