@@ -145,17 +145,21 @@ def driver_vars(box: Box, profile: HardwareProfile, catalog: Catalog, *, nccl: b
     return out
 
 
-def host_vars(box: Box, plan: ServePlan, catalog: Catalog, profile: HardwareProfile | None = None) -> dict[str, Any]:
-    """What the roles need to install and run the plan on this box."""
+def host_vars(box: Box, plan: ServePlan | None, catalog: Catalog, profile: HardwareProfile | None = None,
+              ) -> dict[str, Any]:
+    """What the roles need to install and run the plan on this box; without a plan, the driver role's inputs."""
+    profile = profile or HardwareProfile()
+    linux = {"ansible_python_interpreter": "/usr/bin/python3"} if box.os == "linux" else {}
+    if plan is None:
+        return {**linux, **driver_vars(box, profile, catalog), **box.vars}
     if not plan.services:
         raise PlanError(f"box {box.name}: the plan places no service; nothing to provision")
-    profile = profile or HardwareProfile()
     if box.os == "windows":
         return {**_windows_host_vars(box, plan, catalog, profile), **box.vars}
     engines = _engine_packs(box, plan, catalog, LINUX_PLATFORM)
     nccl = uses_nccl(plan)
     return {
-        "ansible_python_interpreter": "/usr/bin/python3",
+        **linux,
         **driver_vars(box, profile, catalog, nccl=nccl),
         "llama_engine_packs": list(engines.values()),
         "gguf_model_dir": box.effective_model_dir,
@@ -235,17 +239,17 @@ def render_box(inventory: Path, fleet: Fleet, box: Box, profile: HardwareProfile
                catalog: Catalog) -> list[Path]:
     """Write this box's probe, plan and host_vars, then hosts.yml for the whole fleet.
 
-    Without a plan (a box that names no model yet) only the driver role's inputs are written.
+    Without a plan (a box that names no model yet) only the driver role's inputs are written, and a plan
+    left from an earlier render is removed, so the inventory never describes services the box will not get.
     """
-    if plan is None:
-        box_vars = {"ansible_python_interpreter": "/usr/bin/python3"} if box.os == "linux" else {}
-        box_vars |= driver_vars(box, profile, catalog) | box.vars
-    else:
-        box_vars = host_vars(box, plan, catalog, profile)
+    plan_path = inventory / "plans" / f"{box.name}.json"
     files = {inventory / "probes" / f"{box.name}.json": json.dumps(profile.model_dump(mode="json"), indent=2) + "\n"}
     if plan is not None:
-        files[inventory / "plans" / f"{box.name}.json"] = json.dumps(plan.model_dump(mode="json"), indent=2) + "\n"
-    files[inventory / "host_vars" / f"{box.name}.yml"] = _yaml({k: v for k, v in box_vars.items() if v is not None})
+        files[plan_path] = json.dumps(plan.model_dump(mode="json"), indent=2) + "\n"
+    files[inventory / "host_vars" / f"{box.name}.yml"] = _yaml(
+        {k: v for k, v in host_vars(box, plan, catalog, profile).items() if v is not None})
+    if plan is None:
+        plan_path.unlink(missing_ok=True)
     written = []
     for path, text in files.items():
         write_atomic(path, text)

@@ -172,3 +172,20 @@ def test_a_driver_mirror_carries_its_signing_key_or_an_explicit_trust(tmp_path):
         assert hv["nvidia_driver_repo_url"] == base["drivers"]
         assert (hv["nvidia_driver_repo_key_url"], hv["nvidia_driver_repo_trusted"]) == (key, trusted)
         assert hv["nvidia_driver_manage"] is False
+
+
+def test_a_box_without_models_renders_only_the_driver_and_drops_an_old_plan(tmp_path):
+    catalog = _pinned(tmp_path, "qwen3.6-27b-q4_k_m")
+    with_model = fleet(tmp_path, models=[{"id": "qwen3.6-27b-q4_k_m"}])
+    box = with_model.box("box1")
+    inventory = tmp_path / "inv"
+    render_box(inventory, with_model, box, v100_profile(32768), plan_box(box, v100_profile(32768), catalog), catalog)
+    assert (inventory / "plans" / "box1.json").is_file()
+
+    bare = fleet(tmp_path)
+    render_box(inventory, bare, bare.box("box1"), v100_profile(32768), None, catalog)
+    assert not (inventory / "plans" / "box1.json").exists()
+    hv = yaml.safe_load((inventory / "host_vars" / "box1.yml").read_text())
+    assert hv["ansible_python_interpreter"] == "/usr/bin/python3"
+    assert [gpu["name"] for gpu in hv["nvidia_driver_gpus"]] == ["Tesla V100-PCIE-16GB"]
+    assert not any(key.startswith(("llama_", "gguf_")) for key in hv), hv
