@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import json
 import shlex
-import subprocess
-import sys
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -26,10 +25,10 @@ import yaml
 from controller.lab import aptrepo
 from controller.lab.fileserver import FileServer
 from controller.lab.target import Target
+from tests.cli import run_controller
 
 pytestmark = pytest.mark.podman
 
-REPO = Path(__file__).resolve().parents[2]
 PLAN_EXIT = 4
 LOADED = "/var/lib/nvidia-standin/version"
 # The two cards of the stand-in packages (aptrepo.GPUS), as `lspci -Dnn -d 10de:` prints them.
@@ -48,9 +47,7 @@ INITRAMFS_STANDIN = "#!/bin/sh\necho \"$*\" >> /var/log/update-initramfs.calls\n
 DRIVER_PACKAGES = ("nvidia-driver", "nvidia-kernel-dkms", "nvidia-smi", "libcuda1", "libnvidia-ml1")
 
 
-def controller(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "controller", *args], capture_output=True, text=True, cwd=REPO,
-                          timeout=600, check=False)
+controller = partial(run_controller, timeout=600)
 
 
 def last_json(stdout: str) -> dict:

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from controller.lab import standin_smi
 from controller.lab.target import Target
 from controller.probe import parse_outputs
 from controller.probe.collect import probe_box
+from tests.cli import run_controller
 
 pytestmark = pytest.mark.podman
 
@@ -31,9 +31,7 @@ PROBE_BUDGET_S = 3.0
 PLAN_EXIT = 4
 
 
-def controller(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "controller", *args], capture_output=True, text=True, cwd=REPO,
-                          timeout=300, check=False)
+controller = partial(run_controller, timeout=300)
 
 
 @pytest.fixture(scope="module")

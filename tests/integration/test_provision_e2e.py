@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -14,6 +14,7 @@ import yaml
 
 from controller.lab.fileserver import FileServer
 from controller.lab.target import free_port
+from tests.cli import run_controller
 
 pytestmark = [pytest.mark.podman, pytest.mark.engine, pytest.mark.slow]
 
@@ -21,9 +22,7 @@ API_KEY = "sk-e2e-api-key-never-logged-4242"
 HF_TOKEN = "hf_e2e_token_never_logged_4242"
 
 
-def controller(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "controller", *args], capture_output=True, text=True,
-                          env=env, timeout=900, check=False)
+controller = partial(run_controller, timeout=900)
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ import json
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -28,13 +28,13 @@ from controller.probe import WINDOWS_PROBE_COMMANDS, parse_outputs, read_dir
 from controller.probe.collect import probe_box
 from controller.probe.windows_collect import windows_probe_script, windows_probe_sections
 from controller.transports.winrm import COMMAND_LINE_LIMIT, WinRmTransport, powershell_command_line, readable_stderr
+from tests.cli import run_controller
 from tests.unit.transports.wsman_server import StandInWindows, TlsFiles, WsmanServer, self_signed_certificate
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "probe"
 WINDOWS_BOX = FIXTURES / "dual-v100-nvlink-windows-tcc"
 USER = "probe"
 PASSWORD = "correct horse battery staple"
-REPO = Path(__file__).resolve().parents[3]
 TRANSPORT_EXIT = 3
 
 
@@ -79,9 +79,7 @@ def expected_profile(fixtures: Path = WINDOWS_BOX):
     return parse_outputs(read_dir(fixtures), model_dir="C:\\llama\\models")
 
 
-def controller(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "controller", *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=120, check=False)
+controller = partial(run_controller, timeout=120)
 
 
 def assert_one_line_failure(done: subprocess.CompletedProcess[str], code: int, *fragments: str) -> str:
