@@ -2,18 +2,56 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from functools import cache
 from importlib import resources
 from pathlib import Path
+from typing import Annotated
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from controller.errors import CatalogError
 
 # A GGUF metadata value as the catalog writes it: a number, a flag, or one value per layer.
 HParam = int | float | bool | list[int] | list[bool]
+
+# Ids, engine slots and file names become folder and file names on the boxes and command-line words
+# of the servers: one plain word each, never a path (no separators, no "..") and never a template.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _name(value: str) -> str:
+    if not _NAME.fullmatch(value) or ".." in value:
+        raise ValueError(f"{value!r} is not a plain name: use letters, digits and . _ + - only (no path separators, "
+                         "no '..', no spaces), starting with a letter or digit")
+    return value
+
+
+def _repo(value: str) -> str:
+    parts = value.split("/")
+    if len(parts) > 2 or not all(_NAME.fullmatch(part) and ".." not in part for part in parts):
+        raise ValueError(f"{value!r} is not a hub repository: give 'owner/name' (letters, digits, . _ + -)")
+    return value
+
+
+def _one_line(value: str) -> str:
+    if _CONTROL.search(value):
+        raise ValueError(f"{value!r} holds a newline or control character; write it on one line")
+    return value
+
+
+def _address(value: str) -> str:
+    if _CONTROL.search(value) or " " in value or not value.startswith(("http://", "https://")):
+        raise ValueError(f"{value!r} is not an http(s) address (no spaces or control characters)")
+    return value
+
+
+Name = Annotated[str, AfterValidator(_name)]
+OneLine = Annotated[str, AfterValidator(_one_line)]
+Address = Annotated[str, AfterValidator(_address)]
 
 
 class _Strict(BaseModel):
@@ -21,18 +59,20 @@ class _Strict(BaseModel):
 
 
 class ModelEntry(_Strict):
-    id: str
-    name: str
-    repo: str
-    file: str
+    id: Name
+    name: OneLine
+    repo: Annotated[str, AfterValidator(_repo)]
+    file: Name  # a file name in the model folder, never a path
     size_bytes: int | None = None
     sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
-    engine: str  # engine family ("upstream", "ik") or an exact engine id
+    engine: Name  # engine family ("upstream", "ik") or an exact engine id
     moe: bool = False
     mtp: bool = False
     sliding_window: bool = False
-    template: str | None = None  # chat template file shipped with roles/llama_service
-    hub_url: str | None = None  # where <repo>/resolve/main/<file> lives; defaults to the catalog's
+    # A chat template file shipped in roles/llama_service/files/chat-templates: a name, so it can
+    # never reach a file outside that folder.
+    template: Name | None = None
+    hub_url: Address | None = None  # where <repo>/resolve/main/<file> lives; defaults to the catalog's
     # What the planner needs to estimate memory without downloading the model. ``arch`` and
     # ``hparams`` are the GGUF's general.architecture and its ``<arch>.*`` keys (without the
     # prefix), taken from the model's published config; ``file_type`` names the quantisation the
@@ -66,20 +106,31 @@ class ModelEntry(_Strict):
 
 
 class EnginePack(_Strict):
-    file: str
+    file: Name
     sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
 
 
+class EngineApiKey(_Strict):
+    """How an engine version reads its API key. The role passes a key file (``file_flag``), read through
+    systemd credentials, never the key itself on the command line; ``env`` only records the variable the
+    version also reads (ik_llama.cpp reads none), so nothing relies on it."""
+
+    file_flag: OneLine = "--api-key-file"  # one key per line; the whole line is the key
+    env: OneLine | None = None
+
+
 class EngineEntry(_Strict):
-    id: str
-    family: str
-    commit: str
+    id: Name
+    family: Name
+    commit: Name
     description: str = ""
     min_driver: int | None = None
     max_driver: int | None = None
     cpu_only: bool = False
     nccl: bool = False
-    load_flags: dict[str, list[str]] = Field(default_factory=dict)
+    load_flags: dict[str, list[OneLine]] = Field(default_factory=dict)
+    api_key: EngineApiKey = Field(default_factory=EngineApiKey)
+    no_slots_flags: list[OneLine] = Field(default_factory=lambda: ["--no-slots"])  # turn off GET /slots
     packs: dict[str, EnginePack]
 
     @property
@@ -98,10 +149,10 @@ class EngineEntry(_Strict):
 class DownloadEntry(_Strict):
     """A file the Windows roles fetch besides engines and models: the driver installer, WinSW."""
 
-    id: str
-    version: str
-    file: str
-    url: str | None = None  # the publisher's address; a fleet mirror (<base>/<file>) replaces it
+    id: Name
+    version: Name
+    file: Name
+    url: Address | None = None  # the publisher's address; a fleet mirror (<base>/<file>) replaces it
     sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     description: str = ""
 
@@ -189,22 +240,31 @@ def load_catalog(extra: Iterable[Path] = ()) -> Catalog:
     builtin_engines = _read(engines_text, "built-in engines.yml")
     engines = _entries(builtin_engines, "engines", "built-in engines.yml")
     downloads = _entries(builtin_engines, "downloads", "built-in engines.yml")
+    origin = {("models", key): "built-in models.yml" for key in models}
+    origin |= {(section, key): "built-in engines.yml" for section in ("engines", "downloads")
+               for key in (engines if section == "engines" else downloads)}
     for path in extra:
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8")
         except OSError as exc:
             raise CatalogError(f"{path}: cannot read catalog: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise CatalogError(f"{path}: not UTF-8 text (byte {exc.start}); save the catalog as UTF-8") from None
         data = _read(text, str(path))
         models.update(_entries(data, "models", str(path)))
         engines.update(_entries(data, "engines", str(path)))
         for entry_id, body in _entries(data, "downloads", str(path)).items():  # a pin may name only sha256
             downloads[entry_id] = {**downloads.get(entry_id, {}), **body}
+        for section in ("models", "engines", "downloads"):
+            origin |= {(section, str(key)): str(path) for key in (data.get(section) or {})}
     try:
         return Catalog.model_validate({"models": models, "engines": engines, "downloads": downloads})
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise CatalogError(f"catalog entry {where}: {first['msg']}") from None
+        loc = [str(part) for part in first["loc"]]
+        source = origin.get(tuple(loc[:2]), "catalog")
+        message = first["msg"].removeprefix("Value error, ")
+        raise CatalogError(f"{source}: entry {'.'.join(loc)}: {message}") from None
 
 
 def resolve_catalog_model(model_id: str, extra: Iterable[Path] = ()) -> ModelEntry:

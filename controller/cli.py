@@ -7,11 +7,15 @@ One action maps to one playbook: ``provision`` runs playbooks/site.yml, ``driver
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
+import traceback
 from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 
 from controller.errors import ControllerError
 
@@ -26,6 +30,33 @@ inventory_option = click.option(
     help="Folder for the rendered inventory, reports and artifacts [default: inventory/ beside the fleet file].",
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+
+INTERNAL_ERROR_EXIT = 70  # EX_SOFTWARE: a bug in the controller, not in its inputs
+INTERRUPTED_EXIT = 130
+
+
+def log_folder() -> Path:
+    """Where tracebacks of internal errors are kept: $XDG_STATE_HOME/v100-llm-box/logs."""
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "v100-llm-box" / "logs"
+
+
+def _report_internal_error(exc: BaseException) -> None:
+    """One line for the operator; the traceback goes to a log file for the bug report."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    summary = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+    try:
+        folder = log_folder()
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = folder / f"controller-{stamp}-{os.getpid()}.log"
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as log:  # private
+            log.write(f"controller {' '.join(sys.argv[1:])}\n"
+                      + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        where = f"the traceback is in {path}"
+    except OSError as log_error:
+        where = f"the traceback could not be saved ({log_error.strerror}); set XDG_STATE_HOME to a writable folder"
+    err_console.print(escape(f"internal error: {summary}; this is a bug in the controller: {where} "
+                             "(attach it to a report)"))
 
 
 def _inventory_for(fleet_path: Path, inventory: Path | None) -> Path:
@@ -139,20 +170,27 @@ def _register_commands() -> None:
 
 
 def main() -> None:
-    _register_commands()
+    """Run the CLI; every failure ends as one line on stderr and an exit code listed in README.md."""
     try:
+        _register_commands()
         code = cli(standalone_mode=False)  # returns ctx.exit()'s code instead of exiting
     except click.exceptions.Abort:
         err_console.print("aborted")
-        sys.exit(130)
+        sys.exit(INTERRUPTED_EXIT)
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        sys.exit(INTERRUPTED_EXIT)
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
     except ControllerError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", markup=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", markup=True)
         sys.exit(exc.exit_code)
     except SystemExit:
         raise
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
+    except Exception as exc:  # last resort: a bug, never a traceback on the operator's screen
+        _report_internal_error(exc)
+        sys.exit(INTERNAL_ERROR_EXIT)
     sys.exit(code if isinstance(code, int) else 0)

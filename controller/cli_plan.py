@@ -44,6 +44,11 @@ def _is_gguf_source(value: str) -> bool:
     return value.startswith(("http://", "https://")) or value.endswith(".gguf") or Path(value).is_file()
 
 
+def _plain_name(text: str) -> str:
+    """``text`` as a catalog name: runs of other characters become "-", never ".." or a leading dot."""
+    return re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9._+-]+", "-", text)).lstrip("._+-").rstrip("-")[:200]
+
+
 def entry_from_header(header: GGUFHeader) -> ModelEntry:
     """A catalog entry for a GGUF known only by its header: shape, engine and features from the header.
 
@@ -51,12 +56,12 @@ def entry_from_header(header: GGUFHeader) -> ModelEntry:
     ik_llama.cpp for its expert offload; the MTP head is there when the header has NextN layers.
     """
     spec = model_spec(header)
-    name = re.sub(r"\?.*$", "", header.source).rstrip("/").rsplit("/", 1)[-1]
-    model_id = re.sub(r"[^a-z0-9._-]+", "-", name.removesuffix(".gguf").lower()).strip("-") or "model"
+    name = re.sub(r"[\x00-\x1f\x7f]", "", re.sub(r"\?.*$", "", header.source).rstrip("/").rsplit("/", 1)[-1])
+    model_id = _plain_name(name.removesuffix(".gguf").lower()) or "model"
     sliding = any(layer.kind == "swa" for layer in spec.layers)
     moe = spec.n_expert > 0
     return ModelEntry(
-        id=model_id, name=name, repo="local", file=name, size_bytes=spec.size_bytes,
+        id=model_id, name=name, repo="local", file=_plain_name(name) or "model.gguf", size_bytes=spec.size_bytes,
         engine="upstream" if sliding or not moe else "ik", moe=moe, mtp=spec.n_layer_all > spec.n_layer,
         sliding_window=sliding, arch=spec.arch, file_type=spec.file_type,
     )
@@ -74,7 +79,7 @@ def _headers(pairs: tuple[str, ...]) -> dict[str, str]:
 
 def _load_profile(path: Path) -> HardwareProfile:
     try:
-        return HardwareProfile.model_validate_json(path.read_text())
+        profile = HardwareProfile.model_validate_json(path.read_bytes())
     except OSError as exc:
         raise PlanFailed(f"{path}: cannot read the profile: {exc.strerror}", BAD_INPUT_EXIT) from None
     except ValidationError as exc:
@@ -82,6 +87,11 @@ def _load_profile(path: Path) -> HardwareProfile:
         where = ".".join(str(part) for part in first["loc"]) or "(top level)"
         raise PlanFailed(f"{path}: not a `controller probe --json` profile: {where}: {first['msg']}",
                          BAD_INPUT_EXIT) from None
+    problem = profile.gpu_index_problem()
+    if problem:
+        raise PlanFailed(f"{path}: {problem}; fix the profile or save a fresh one with `controller probe BOX --json`",
+                         BAD_INPUT_EXIT)
+    return profile
 
 
 def _plan_profile(profile_path: Path, models: tuple[str, ...], ctx: int | None, agents: int, base_port: int,
@@ -115,7 +125,10 @@ def _plan_box(box_name: str, fleet_path: Path, headers: dict[str, str]) -> Serve
     fleet = load_fleet(fleet_path)
     box = fleet.box(box_name)
     catalog = load_catalog(fleet.catalogs)
-    profile, _raw, _seconds = probe_box(box)
+    fleet.check_models_known(box, catalog.models)  # before any connection
+    from controller.transports.known_hosts import beside_fleet
+
+    profile, _raw, _seconds = probe_box(box, known_hosts=beside_fleet(fleet_path))
     return plan_box(box, profile, catalog, headers=headers)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from controller.errors import ControllerError, FleetError, ProbeError
@@ -50,8 +51,9 @@ def _from_box(name: str, fleet_path: Path | None) -> HardwareProfile:
         raise FleetError(f"probing box {name!r} needs the fleet file that says how to reach it: add --fleet FILE")
     from controller.fleet import load_fleet
     from controller.probe.collect import probe_box  # the transports pull in fabric and pywinrm
+    from controller.transports.known_hosts import beside_fleet
 
-    profile, _raw, _seconds = probe_box(load_fleet(fleet_path).box(name))
+    profile, _raw, _seconds = probe_box(load_fleet(fleet_path).box(name), known_hosts=beside_fleet(fleet_path))
     return profile
 
 
@@ -94,7 +96,7 @@ def _summary(profile: HardwareProfile, console: Console) -> None:
         console.print(f"disk: {disk.path}: {_gib(disk.free_mib)} free of {_gib(disk.total_mib)}")
     console.print(f"groups: {', '.join(group_names(profile))}")
     for warning in profile.warnings:
-        console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False, markup=True)
+        console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False, markup=True)
 
 
 def emit(profile: HardwareProfile, as_json: bool) -> None:
@@ -102,7 +104,7 @@ def emit(profile: HardwareProfile, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(profile.model_dump(mode="json"), indent=2))
     else:
-        _summary(profile, Console(highlight=False, soft_wrap=True))
+        _summary(profile, Console(highlight=False, soft_wrap=True, markup=False))  # probed text is never markup
 
 
 @click.command("probe")

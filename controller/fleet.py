@@ -23,12 +23,14 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from controller.catalog import Name
 from controller.errors import FleetError
 
 BOX_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
@@ -67,7 +69,7 @@ class Secret(_Strict):
 
 
 class WantedModel(_Strict):
-    id: str
+    id: Name  # a catalog model id: a plain name, checked against the catalog before any connection
     ctx: int | None = Field(default=None, ge=512)
     agents: int = Field(default=1, ge=1, le=64)
 
@@ -77,9 +79,21 @@ class Mirror(_Strict):
 
     engines: str | None = None  # engine packs and SHA256SUMS; on Windows also WinSW-x64.exe
     models: str | None = None
+    models_token: bool = False  # also send hf_token to the models mirror (HTTPS only); default: the hub only
     drivers: str | None = None  # Linux: the NVIDIA package repository; Windows: the folder with the installer
     drivers_key: str | None = None  # Linux: URL of that repository's signing key (apt signed-by, dnf gpgkey)
     drivers_trusted: bool = False  # Linux: trust that repository without a key (a local mirror you control)
+    drivers_key_fingerprint: str | None = None  # Linux: full fingerprint drivers_key must have (required with it)
+
+    @field_validator("drivers_key_fingerprint")
+    @classmethod
+    def _full_fingerprint(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        compact = value.replace(" ", "").upper()
+        if not re.fullmatch(r"[0-9A-F]{40}|[0-9A-F]{64}", compact):
+            raise ValueError(f"{value!r} is not a full key fingerprint: give the 40 hex digits `gpg --show-keys` prints")
+        return compact
 
 
 class DriverSettings(_Strict):
@@ -109,12 +123,14 @@ class Box(_Strict):
     port: int | None = Field(default=None, ge=1, le=65535)
     user: str = "root"
     key: Path | None = None
+    host_key: str | None = None  # the box's SSH host public key ("ssh-ed25519 AAAA..."); unset: trust on first use
     password: Secret | None = None
     os: Literal["linux", "windows"] = "linux"
     become: bool = True
     models: list[WantedModel] = Field(default_factory=list)
     model_dir: str | None = None
     bind: str = "127.0.0.1"
+    allow_from: list[str] = Field(default_factory=list)  # networks (CIDR) that may reach a server bound beyond loopback
     base_port: int = Field(default=8001, ge=1024, le=65000)
     api_key: Secret | None = None
     hf_token: Secret | None = None
@@ -130,6 +146,18 @@ class Box(_Strict):
     def _bind_is_an_address(cls, value: str) -> str:
         ipaddress.ip_address(value)
         return value
+
+    @field_validator("allow_from")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        return [str(ipaddress.ip_network(item, strict=False)) for item in value]
+
+    @model_validator(mode="after")
+    def _exposure_names_its_networks(self) -> Box:
+        if self.binds_beyond_loopback and not self.allow_from:
+            raise ValueError(f"bind {self.bind} reaches beyond this box: list the networks that may connect in "
+                             "allow_from (e.g. [192.168.1.0/24]), or bind 127.0.0.1")
+        return self
 
     @field_validator("model_dir")
     @classmethod
@@ -152,6 +180,9 @@ class Box(_Strict):
         if self.os == "linux" and mirror.drivers and not (mirror.drivers_key or mirror.drivers_trusted):
             raise ValueError(f"mirror.drivers {mirror.drivers}: give mirror.drivers_key (the URL of its signing "
                              "key), or set mirror.drivers_trusted: true for a local mirror you trust without one")
+        if self.os == "linux" and mirror.drivers_key and not mirror.drivers_key_fingerprint:
+            raise ValueError(f"mirror.drivers_key {mirror.drivers_key}: pin it with mirror.drivers_key_fingerprint "
+                             "(the 40 hex digits `gpg --show-keys KEYFILE` prints), so no other key is trusted")
         return self
 
     @property
@@ -184,6 +215,13 @@ class Fleet(_Strict):
         except KeyError:
             known = ", ".join(sorted(self.boxes)) or "none"
             raise FleetError(f"{self.source or 'fleet'}: no box named {name!r} (boxes: {known})") from None
+
+    def check_models_known(self, box: Box, known: Collection[str]) -> None:
+        """Refuse a model id the catalog lacks; called before any connection to the box."""
+        for wanted in box.models:
+            if wanted.id not in known:
+                raise FleetError(f"{self.source or 'fleet'}: box {box.name!r}: unknown model id {wanted.id!r}; "
+                                 f"the catalog has: {', '.join(sorted(known))}")
 
 
 def _merge_defaults(raw: dict[str, Any]) -> dict[str, Any]:
@@ -235,9 +273,11 @@ def parse_fleet(data: Any, source: Path) -> Fleet:
 
 def load_fleet(path: Path) -> Fleet:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise FleetError(f"{path}: cannot read fleet file: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise FleetError(f"{path}: not UTF-8 text (byte {exc.start}); save the fleet file as UTF-8") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -74,6 +74,21 @@ class HardwareProfile(_Model):
     disks: list[Disk] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list)
 
+    def gpu_index_problem(self) -> str | None:
+        """Why the GPU indices cannot be used as CUDA device numbers, or None when they can.
+
+        Each index becomes a CUDA_VISIBLE_DEVICES entry: a negative one hides every GPU, a repeated one
+        makes two services share a card the plan gave to one.
+        """
+        indices = [gpu.index for gpu in self.gpus]
+        negative = sorted({index for index in indices if index < 0})
+        if negative:
+            return f"GPU index {negative[0]} is negative; GPU indices are nvidia-smi's, 0 and up"
+        repeated = sorted({index for index in indices if indices.count(index) > 1})
+        if repeated:
+            return f"GPU index {repeated[0]} is listed twice; each GPU appears once, with its own nvidia-smi index"
+        return None
+
     @property
     def usable(self) -> bool:
         """True when the probe learned anything at all about the box."""

@@ -8,6 +8,7 @@ import time
 from typing import Any, TextIO
 
 from rich.console import Console
+from rich.markup import escape
 
 from controller.runner import RunResult
 
@@ -56,7 +57,9 @@ class Progress:
                                           "elapsed": round(elapsed, 2)}) + "\n")
             self.stream.flush()
             return
-        self.console.print(f"{elapsed:7.1f}s  {host:<12} [{_STYLE[status]}]{status:<11}[/] {task}", markup=True)
+        # Host and task names are text from playbooks and inventories: never rich markup.
+        self.console.print(f"{elapsed:7.1f}s  {escape(f'{host:<12}')} [{_STYLE[status]}]{status:<11}[/] "
+                           f"{escape(str(task))}", markup=True)
 
     def summary(self, result: RunResult) -> None:
         if self.as_json:
@@ -65,7 +68,7 @@ class Progress:
             return
         for host, stats in sorted(result.stats.items()):
             self.console.print(
-                f"{result.playbook}: {host}: ok={stats.ok} changed={stats.changed} failed={stats.failures} "
+                escape(f"{result.playbook}: {host}:") + f" ok={stats.ok} changed={stats.changed} failed={stats.failures} "
                 f"unreachable={stats.unreachable} skipped={stats.skipped} in {result.elapsed:.1f}s"
             )
 

@@ -1,24 +1,29 @@
 """The provisioning pipeline: probe -> plan -> render -> run -> verify -> report.
 
-Each stage writes an artefact into the inventory folder; only the run changes the box.
+Each stage writes an artefact into the inventory folder; only the run changes the box. One
+controller at a time works on an inventory folder (its ``.lock``); a second one waits. The probe
+checks and records SSH host keys in ``<inventory>/known_hosts``, the file Ansible then checks against.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from controller.catalog import Catalog, load_catalog
 from controller.errors import FleetError, PlanError
+from controller.files import inventory_lock
 from controller.fleet import Box, Fleet
 from controller.planner import plan_box
 from controller.probe.driver import driver_window_problem
 from controller.profile import HardwareProfile
 from controller.render import render_box
 from controller.report import build_report, driver_section, write_report
-from controller.runner import EventHandler, RunResult, run_playbook
+from controller.runner import EventHandler, RunInterrupted, RunResult, run_playbook
 from controller.serveplan import ServePlan
+from controller.transports.known_hosts import known_hosts_file
 
 
 @dataclass
@@ -58,7 +63,12 @@ def prepare(fleet: Fleet, box_name: str, inventory: Path) -> Prepared:
     from controller.probe.collect import probe_box
 
     box, catalog = _box_and_catalog(fleet, box_name)
-    profile, _raw, seconds = probe_box(box)
+    with inventory_lock(inventory, f"render {box_name}"):
+        return _prepare(fleet, box, catalog, inventory, probe_box)
+
+
+def _prepare(fleet: Fleet, box: Box, catalog: Catalog, inventory: Path, probe_box: Any) -> Prepared:
+    profile, _raw, seconds = probe_box(box, known_hosts=known_hosts_file(inventory))
     check_driver(box, profile)
     plan = plan_box(box, profile, catalog)
     if not plan.services:
@@ -68,11 +78,26 @@ def prepare(fleet: Fleet, box_name: str, inventory: Path) -> Prepared:
     return Prepared(box, catalog, profile, plan, seconds)
 
 
+# The servers read the key as one line of a key file and compare it byte for byte with the header a
+# client sends; HTTP drops spaces around header values and upstream skips key lines starting with "#".
+# The same rule is checked by roles/llama_service (preflight) for hand-written inventories.
+API_KEY_RULE = re.compile(r"[!-~]{16,256}")
+
+
+def check_api_key(key: str, what: str) -> str:
+    if not API_KEY_RULE.fullmatch(key) or key.startswith("#"):
+        raise FleetError(f"{what}: use 16 to 256 printable ASCII characters with no spaces (letters, digits, "
+                         f"punctuation; not starting with #); the key given has {len(key)} characters"
+                         + ("" if API_KEY_RULE.fullmatch(key) else " and some outside that set"))
+    return key
+
+
 def secrets_for(box: Box) -> dict[str, str]:
     secrets = {}
     prefix = "win_" if box.os == "windows" else ""
     if box.api_key is not None:
-        secrets[f"{prefix}llama_service_api_key"] = box.api_key.resolve(f"box {box.name} api_key")
+        what = f"box {box.name} api_key"
+        secrets[f"{prefix}llama_service_api_key"] = check_api_key(box.api_key.resolve(what), what)
     if box.hf_token is not None and box.os == "linux":  # the Windows model role downloads from a mirror
         secrets["gguf_model_hf_token"] = box.hf_token.resolve(f"box {box.name} hf_token")
     if box.password is not None:
@@ -87,13 +112,20 @@ def verify_data(result: RunResult, box: Box) -> dict[str, Any]:
 
 def provision(fleet: Fleet, box_name: str, inventory: Path, on_event: EventHandler | None = None,
               ) -> tuple[dict[str, Any], RunResult]:
-    prepared = prepare(fleet, box_name, inventory)
-    box = prepared.box
-    result = run_playbook("site.yml", inventory=inventory, limit=box.name, secrets=secrets_for(box),
-                          on_event=on_event)
-    report = build_report(box, prepared.profile, prepared.plan, result, verify_data(result, box),
-                          prepared.probe_seconds)
-    write_report(inventory / "reports", report)
+    """Probe, plan, render, run site.yml and write the report; on Ctrl-C the report says where it stopped."""
+    with inventory_lock(inventory, f"provision {box_name}"):
+        prepared = prepare(fleet, box_name, inventory)
+        box = prepared.box
+        try:
+            result = run_playbook("site.yml", inventory=inventory, limit=box.name, secrets=secrets_for(box),
+                                  on_event=on_event)
+        except RunInterrupted as stopped:
+            report = build_report(box, prepared.profile, prepared.plan, stopped.result, {}, prepared.probe_seconds)
+            json_path, _md = write_report(inventory / "reports", report)
+            raise RunInterrupted(f"box {box.name}: {stopped} (report: {json_path})", stopped.result) from None
+        report = build_report(box, prepared.profile, prepared.plan, result, verify_data(result, box),
+                              prepared.probe_seconds)
+        write_report(inventory / "reports", report)
     return report, result
 
 
@@ -107,12 +139,13 @@ def install_driver(fleet: Fleet, box_name: str, inventory: Path, on_event: Event
     from controller.probe.collect import probe_box
 
     box, catalog = _box_and_catalog(fleet, box_name)
-    if box.models:
-        prepare(fleet, box_name, inventory)
-    else:
-        profile, _raw, _seconds = probe_box(box)
-        check_driver(box, profile)
-        render_box(inventory, fleet, box, profile, None, catalog)
-    result = run_playbook("driver.yml", inventory=inventory, limit=box.name, secrets=secrets_for(box),
-                          on_event=on_event)
+    with inventory_lock(inventory, f"driver {box_name}"):
+        if box.models:
+            _prepare(fleet, box, catalog, inventory, probe_box)
+        else:
+            profile, _raw, _seconds = probe_box(box, known_hosts=known_hosts_file(inventory))
+            check_driver(box, profile)
+            render_box(inventory, fleet, box, profile, None, catalog)
+        result = run_playbook("driver.yml", inventory=inventory, limit=box.name, secrets=secrets_for(box),
+                              on_event=on_event)
     return driver_section(box, result), result

@@ -13,7 +13,10 @@ never written here; the runner hands them to Ansible in a private file for the l
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +36,71 @@ LINUX_PLATFORM = "linux-x86_64"
 WINDOWS_PLATFORM = "windows-x86_64"
 
 
+# Characters that Jinja's delimiters ({{ }}, {% %}, {# #}) are made of. Text without them (and without
+# control characters) cannot be a template, so it is written plain and the files stay easy to read;
+# anything else is written as ``!unsafe``.
+_TEMPLATE_CHARACTERS = frozenset("{}%#")
+# Inventory group names: Ansible's own rule (a Python identifier, lower-case here).
+_GROUP_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+class _OperatorText(str):
+    """A string from the box's ``vars:`` in the fleet file: written as is, so Ansible may template it."""
+
+
 class _Dumper(yaml.SafeDumper):
-    """Block style, no aliases: the output is read by people."""
+    """Block style, no aliases: the output is read by people.
+
+    Ansible evaluates every string of an inventory as a Jinja template on the controller. Probed text
+    (GPU names, CPU model, OS strings) and catalog text are data from outside, so each such string
+    that could hold a template is tagged ``!unsafe`` and reaches the roles verbatim, never evaluated.
+    """
 
     def ignore_aliases(self, data: Any) -> bool:
         return True
 
 
-def _yaml(data: Any) -> str:
+def _represent_text(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
+    if data.isprintable() and _TEMPLATE_CHARACTERS.isdisjoint(data):
+        return dumper.represent_str(data)
+    return dumper.represent_scalar("!unsafe", data)
+
+
+_Dumper.add_representer(str, _represent_text)
+_Dumper.add_representer(_OperatorText, yaml.SafeDumper.represent_str)
+
+
+class RenderedLoader(yaml.SafeLoader):
+    """Reads what ``_yaml`` wrote, ``!unsafe`` strings included (as plain strings), without Ansible."""
+
+
+RenderedLoader.add_constructor("!unsafe", lambda loader, node: loader.construct_scalar(node))
+
+
+def read_rendered(text: str) -> Any:
+    """A rendered inventory file as data: the values Ansible sees, none of them evaluated."""
+    return yaml.load(text, Loader=RenderedLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def _operator_text(value: Any) -> Any:
+    if isinstance(value, str):
+        return _OperatorText(value)
+    if isinstance(value, dict):
+        return {_operator_text(key): _operator_text(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_operator_text(item) for item in value]
+    return value
+
+
+def _yaml(data: Any, operator_vars: dict[str, Any] | None = None) -> str:
+    """``data`` as YAML; the top-level entries that are the box's own ``vars:`` may template on purpose.
+
+    The operator writes ``vars:`` as Ansible variables (like group_vars), so a ``{{ ... }}`` there is
+    theirs, and is kept templatable. Everything else is the controller's, the probe's or a catalog's.
+    """
+    if operator_vars:
+        data = {key: _operator_text(value) if key in operator_vars and value is operator_vars[key] else value
+                for key, value in data.items()}
     return HEADER + yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1000)
 
 
@@ -73,6 +133,16 @@ def _engine_packs(box: Box, plan: ServePlan, catalog: Catalog, platform: str) ->
                 f"fleet file to the folder holding {pack.file} and its SHA256SUMS"
             )
         base = box.mirror.engines.rstrip("/")
+        if not pack.sha256 and not base.startswith("https://"):
+            # The pack runs as the engine on the box and root unpacks it: a SHA256SUMS file from the same
+            # plain-HTTP mirror could be forged along with it.
+            raise CatalogError(
+                f"box {box.name}: engine {engine.id} has no sha256 pinned for {pack.file}, and mirror.engines "
+                f"({base}) is plain HTTP, so its SHA256SUMS cannot be trusted; pin the pack: copy the entry "
+                f"engines.{engine.id} of the built-in engines.yml into a catalog file listed under 'catalogs:' "
+                f"and add sha256: <64 hex digits> to packs.{platform} (sha256sum {pack.file}), or serve the "
+                f"mirror over https"
+            )
         engines[engine.id] = {
             "name": engine.slot,
             "version": engine.commit,
@@ -84,6 +154,14 @@ def _engine_packs(box: Box, plan: ServePlan, catalog: Catalog, platform: str) ->
 
 
 def _model_files(box: Box, plan: ServePlan, catalog: Catalog) -> list[dict[str, Any]]:
+    # The hub token goes to huggingface.co (the role's default); to the models mirror only when the fleet
+    # says so, and only over https. Windows boxes get no token at all.
+    mirror_token = box.os == "linux" and box.mirror.models_token and bool(box.mirror.models)
+    if mirror_token and not str(box.mirror.models).startswith("https://"):
+        raise CatalogError(
+            f"box {box.name}: mirror.models_token would send hf_token to {box.mirror.models}, which is plain HTTP; "
+            f"serve the models mirror over https or remove models_token"
+        )
     models: dict[str, dict[str, Any]] = {}
     for service in plan.services:
         model = catalog.model(service.model)
@@ -97,7 +175,7 @@ def _model_files(box: Box, plan: ServePlan, catalog: Catalog) -> list[dict[str, 
             "url": model.url(box.mirror.models),
             "sha256": model.sha256,
             "size": model.size_bytes,
-        })
+        } | ({"token": True} if mirror_token else {}))
     return list(models.values())
 
 
@@ -141,6 +219,7 @@ def driver_vars(box: Box, profile: HardwareProfile, catalog: Catalog, *, nccl: b
     if box.mirror.drivers:
         out["nvidia_driver_repo_url"] = box.mirror.drivers
         out["nvidia_driver_repo_key_url"] = box.mirror.drivers_key or ""
+        out["nvidia_driver_repo_key_fingerprint"] = box.mirror.drivers_key_fingerprint or ""
         out["nvidia_driver_repo_trusted"] = box.mirror.drivers_trusted
     return out
 
@@ -155,10 +234,12 @@ def host_vars(box: Box, plan: ServePlan | None, catalog: Catalog, profile: Hardw
     if not plan.services:
         raise PlanError(f"box {box.name}: the plan places no service; nothing to provision")
     if box.os == "windows":
-        return {**_windows_host_vars(box, plan, catalog, profile), **box.vars}
+        merged = {**_windows_host_vars(box, plan, catalog, profile), **box.vars}
+        check_exposure(box, merged)
+        return merged
     engines = _engine_packs(box, plan, catalog, LINUX_PLATFORM)
     nccl = uses_nccl(plan)
-    return {
+    merged = {
         **linux,
         **driver_vars(box, profile, catalog, nccl=nccl),
         "llama_engine_packs": list(engines.values()),
@@ -174,13 +255,61 @@ def host_vars(box: Box, plan: ServePlan | None, catalog: Catalog, profile: Hardw
                 "args": service.args,
                 "env": service.env,
                 "mlock": "--mlock" in service.args or "mlock" in service.args,
+                "api_key_flag": catalog.engine(service.engine).api_key.file_flag,
+                "no_slots_flags": catalog.engine(service.engine).no_slots_flags,
             }
             for service in plan.services
         ],
+        "llama_service_allow_from": box.allow_from,
         "llama_service_templates": sorted({s.template for s in plan.services if s.template}),
         "llama_verify_nccl": nccl,
         **box.vars,
     }
+    check_exposure(box, merged)
+    return merged
+
+
+def _bound_hosts(instance: dict[str, Any]) -> list[str]:
+    """The addresses an instance's own arguments or environment tell the server to bind."""
+    args = [str(arg) for arg in instance.get("args") or []]
+    hosts = [args[i + 1] for i, arg in enumerate(args[:-1]) if arg == "--host"]
+    hosts += [arg.removeprefix("--host=") for arg in args if arg.startswith("--host=")]
+    env_host = (instance.get("env") or {}).get("LLAMA_ARG_HOST")
+    return hosts + ([str(env_host)] if env_host else [])
+
+
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
+def check_exposure(box: Box, merged: dict[str, Any]) -> None:
+    """Refuse host_vars whose servers would really bind beyond loopback without a key and allowed networks.
+
+    The server binds what ``--host`` in its arguments says, and the box's ``vars:`` are merged last, so
+    the check runs on the merged result: every instance's ``--host`` must be the bind address the role
+    checks (llama_service_bind), and an address beyond loopback needs an API key and allow_from.
+    """
+    prefix = "win_" if box.os == "windows" else ""
+    bind = str(merged.get(f"{prefix}llama_service_bind", box.bind))
+    for instance in merged.get(f"{prefix}llama_service_instances") or []:
+        for host in _bound_hosts(instance):
+            if host != bind:
+                raise PlanError(
+                    f"box {box.name}: instance {instance.get('name')} would bind {host} (its --host), but "
+                    f"{prefix}llama_service_bind is {bind}; set the address once, with bind in the fleet file, "
+                    f"and drop --host/{prefix}llama_service_bind from the box's vars")
+    if _loopback(bind):
+        return
+    if box.api_key is None and not merged.get(f"{prefix}llama_service_api_key"):
+        raise PlanError(f"box {box.name}: its servers would bind {bind}, which other machines can reach, without "
+                        f"an API key; set api_key in the fleet file, or bind 127.0.0.1")
+    if not box.allow_from and not merged.get(f"{prefix}llama_service_allow_from"):
+        raise PlanError(f"box {box.name}: its servers would bind {bind}, which other machines can reach; list the "
+                        f"networks that may connect in allow_from in the fleet file (e.g. [192.168.1.0/24]), "
+                        f"or bind 127.0.0.1")
 
 
 def _windows_host_vars(box: Box, plan: ServePlan, catalog: Catalog, profile: HardwareProfile) -> dict[str, Any]:
@@ -198,6 +327,7 @@ def _windows_host_vars(box: Box, plan: ServePlan, catalog: Catalog, profile: Har
         "win_gguf_model_dir": box.effective_model_dir,
         "win_gguf_model_files": _model_files(box, plan, catalog),
         "win_llama_service_bind": box.bind,
+        "win_llama_service_allow_from": box.allow_from,
         "win_llama_service_winsw": {"version": winsw.version, "url": winsw_url, "sha256": winsw_sha256},
         "win_llama_service_instances": [
             {
@@ -223,15 +353,26 @@ def hosts_yml(fleet: Fleet, profiles: dict[str, HardwareProfile]) -> dict[str, A
     for name in sorted(fleet.boxes):
         box = fleet.boxes[name]
         names = group_names(profiles[name]) if name in profiles else [box.os]
+        names = [group for group in names if _GROUP_NAME.match(group)]  # derived from probes: keep them plain
         for group in sorted(set(names) | {box.os}):
             groups.setdefault(group, {"hosts": {}})["hosts"][name] = connection_vars(box) if group == box.os else {}
     return {"all": {"children": {group: groups[group] for group in sorted(groups)}}}
 
 
 def load_profiles(inventory: Path) -> dict[str, HardwareProfile]:
+    """The saved probes of the inventory's boxes; an unreadable one is left out with a warning.
+
+    One box's damaged artefact must not stop the render of another: the box it belongs to keeps only
+    its OS group in hosts.yml until it is probed again.
+    """
     profiles = {}
     for path in sorted((inventory / "probes").glob("*.json")):
-        profiles[path.stem] = HardwareProfile.model_validate_json(path.read_text())
+        try:
+            profiles[path.stem] = HardwareProfile.model_validate_json(path.read_bytes())
+        except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+            reason = getattr(exc, "strerror", None) or "not a `controller probe --json` profile"
+            print(f"warning: {path}: {reason}; {path.stem} keeps only its OS group in hosts.yml until "
+                  f"`controller render {path.stem}` probes it again", file=sys.stderr)
     return profiles
 
 
@@ -247,7 +388,7 @@ def render_box(inventory: Path, fleet: Fleet, box: Box, profile: HardwareProfile
     if plan is not None:
         files[plan_path] = json.dumps(plan.model_dump(mode="json"), indent=2) + "\n"
     files[inventory / "host_vars" / f"{box.name}.yml"] = _yaml(
-        {k: v for k, v in host_vars(box, plan, catalog, profile).items() if v is not None})
+        {k: v for k, v in host_vars(box, plan, catalog, profile).items() if v is not None}, box.vars)
     if plan is None:
         plan_path.unlink(missing_ok=True)
     written = []

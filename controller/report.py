@@ -52,6 +52,7 @@ def build_report(box: Box, profile: HardwareProfile, plan: ServePlan, run: RunRe
             "served_ids": checked.get("served_ids", []),
             "openai": checked.get("openai"),
             "anthropic": checked.get("anthropic"),
+            "auth": checked.get("auth"),  # {required, anonymous_status, wrong_key_status} from llama_verify
             "reasons": service.reasons,
         })
     return {
@@ -74,6 +75,8 @@ def build_report(box: Box, profile: HardwareProfile, plan: ServePlan, run: RunRe
             "elapsed": round(run.elapsed, 1),
             "changed": run.changed,
             "stats": {host: vars(stats) for host, stats in run.stats.items()},
+            # Where a run stopped early (Ctrl-C): the last task started; null for a finished run.
+            "stopped_at": run.last_task if run.status == "interrupted" else None,
         },
         "driver": driver_section(box, run),
         "services": services,
@@ -111,6 +114,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"serves {', '.join(service['served_ids']) or 'nothing'}",
             f"- OpenAI API: {openai.get('completion_tokens', 0)} tokens at {openai.get('tokens_per_second', 0)} tok/s",
             f"- Anthropic API: {anthropic.get('output_tokens', 0)} tokens, stop reason {anthropic.get('stop_reason')}",
+            _auth_line(service.get("auth") or {}, service["name"]),
             f"- Engine {service['engine']}, GPUs {service['gpus'] or 'none (CPU)'}, context {service['ctx']}, "
             f"{service['parallel']} slot(s)",
             *[f"  - {reason}" for reason in service["reasons"]],
@@ -120,7 +124,17 @@ def markdown(report: dict[str, Any]) -> str:
     if report["run"]:
         run = report["run"]
         lines += ["", "## Run", f"- {run['playbook']}: {run['status']} in {run['elapsed']} s, {run['changed']} changed"]
+        if run["status"] == "interrupted":
+            lines.append(f"- Stopped during task: {run.get('stopped_at') or 'none started yet'}; provision again to "
+                         "finish (the run converges)")
     return "\n".join(lines) + "\n"
+
+
+def _auth_line(auth: dict[str, Any], name: str) -> str:
+    if not auth.get("required"):
+        return "- API key: none (loopback only)" if auth else "- API key: not checked"
+    return (f"- API key: required; without it HTTP {auth.get('anonymous_status')}, with a wrong one HTTP "
+            f"{auth.get('wrong_key_status')}; clients read it from /etc/llama/keys/{name}.key on the box")
 
 
 def write_report(folder: Path, report: dict[str, Any]) -> tuple[Path, Path]:

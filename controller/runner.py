@@ -3,17 +3,25 @@
 Each run gets a private data dir; events stream to a callback (the progress display); failures
 come back as the project's own exceptions. Secrets never reach the artifacts: they are handed to
 ansible-playbook as ``-e @file`` from a 0600 file outside the data dir, deleted after the run, and
-any environment variable holding a secret is withheld from the run's environment (ansible-runner
-records the whole environment in ``artifacts/<id>/command``).
+the run gets an allow-listed environment, never the controller's own (ansible-runner records the
+whole environment in ``artifacts/<id>/command``, and an operator's shell holds other boxes' keys).
+
+SSH host keys are checked against the inventory's ``known_hosts`` (the file the probe records into),
+strictly. Ctrl-C (or SIGTERM) during a run stops ansible-playbook (SIGINT to its process group, then
+SIGKILL after a grace period) and raises RunInterrupted naming the last task started. One run at a
+time per inventory folder (controller.files.inventory_lock).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shlex
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -23,11 +31,21 @@ from typing import Any
 import yaml
 
 from controller.errors import RunError, TransportError
+from controller.files import inventory_lock
+from controller.transports.known_hosts import forget_command, known_hosts_file
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PLAYBOOKS = PROJECT_ROOT / "playbooks"
 
 EventHandler = Callable[[dict[str, Any]], None]
+
+# What ansible-playbook may see of the controller's environment; everything else (API keys, WinRM
+# passwords, tokens of other boxes) stays out of the run and its artifacts.
+ALLOWED_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "SSH_AUTH_SOCK",
+                         "KRB5CCNAME", "KRB5_CONFIG"})
+ALLOWED_ENV_PREFIXES = ("LC_",)
+INTERRUPTED_EXIT = 130
+STOP_GRACE_S = 10.0  # after Ctrl-C, ansible-playbook gets this long to stop before it is killed
 
 
 @dataclass
@@ -59,6 +77,7 @@ class RunResult:
     failed: list[FailedTask] = field(default_factory=list)
     data: dict[str, Any] = field(default_factory=dict)  # what the play published with set_stats
     artifact_dir: Path | None = None
+    last_task: str | None = None  # the last task started ("host: task" where a host started it)
 
     @property
     def changed(self) -> int:
@@ -72,15 +91,115 @@ def _failure_message(res: Mapping[str, Any]) -> str:
     return str(message).strip().splitlines()[0][:400] if str(message).strip() else "failed"
 
 
+class RunInterrupted(RunError):
+    """Ctrl-C (or SIGTERM) stopped a run; ``result`` says how far it got."""
+
+    exit_code = INTERRUPTED_EXIT
+
+    def __init__(self, message: str, result: RunResult):
+        super().__init__(message)
+        self.result = result
+
+
+def allowed_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    return {key: value for key, value in environ.items()
+            if key in ALLOWED_ENV or key.startswith(ALLOWED_ENV_PREFIXES)}
+
+
 @contextlib.contextmanager
-def _environ_without(values: set[str]) -> Iterator[None]:
-    hidden = {key: value for key, value in os.environ.items() if value and value in values}
-    for key in hidden:
-        del os.environ[key]
+def _only_environ(keep: Mapping[str, str]) -> Iterator[None]:
+    """ansible-runner seeds the run's environment from os.environ: show it only ``keep`` meanwhile."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(keep)
     try:
         yield
     finally:
-        os.environ.update(hidden)
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def ssh_env(inventory: Path) -> dict[str, str]:
+    """Host keys checked strictly against the inventory's known_hosts, the file the probe records into.
+
+    ANSIBLE_SSH_ARGS comes before any ansible_ssh_common_args on ssh's command line, and ssh keeps the
+    first value of an option, so inventory variables cannot turn the check off.
+    """
+    known = shlex.quote(str(known_hosts_file(inventory.resolve())))
+    return {
+        "ANSIBLE_HOST_KEY_CHECKING": "True",
+        "ANSIBLE_SSH_ARGS": f"-o ControlMaster=auto -o ControlPersist=60s -o StrictHostKeyChecking=yes "
+                            f"-o UserKnownHostsFile={known} -o GlobalKnownHostsFile=/dev/null",
+    }
+
+
+def _host_key_problem(host: str, message: str, inventory: Path) -> str | None:
+    """A one-line reason for ssh's host-key refusals, which Ansible reports as a wall of @ signs."""
+    known = known_hosts_file(inventory.resolve())
+    changed = re.search(r"Host key for (\S+) has changed", message)
+    if changed:
+        name = changed.group(1)
+        sent = re.search(r"fingerprint for the (\S+) key sent by the remote host is\s*(SHA256:[A-Za-z0-9+/=]+)", message)
+        offending = re.search(r"Offending \S+ key in (.+):(\d+)", message)
+        now = f" presents {sent.group(1).lower()} {sent.group(2)}," if sent else ""
+        at = f"{offending.group(1)} line {offending.group(2)}" if offending else str(known)
+        return (f"box {host}: host key refused by Ansible: the box{now} not the key recorded in {at} (someone may "
+                f"be intercepting the connection); if the box was reinstalled, accept its new key with: "
+                f"{forget_command(name, known)}")
+    if "Host key verification failed" in message:
+        return (f"box {host}: host key refused by Ansible: no key for it in {known}; run `controller probe {host}` "
+                f"(it records the key on first contact) or set host_key in the fleet file")
+    return None
+
+
+class _Stopper:
+    """Turns Ctrl-C (SIGINT) and SIGTERM during a run into a clean stop of ansible-playbook.
+
+    ansible-runner polls ``__call__`` (its cancel_callback); True makes it SIGKILL the playbook's process
+    group. The first signal asks ansible-playbook to stop (SIGINT to its own process group: it runs on
+    a pty in its own session, so the terminal's Ctrl-C never reaches it) and allows STOP_GRACE_S; a
+    second signal, or the end of the grace period, kills it.
+    """
+
+    def __init__(self) -> None:
+        self.signals = 0
+        self.since = 0.0
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Stopper:
+        if threading.current_thread() is threading.main_thread():
+            for number in (signal.SIGINT, signal.SIGTERM):
+                self._previous[number] = signal.signal(number, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+
+    def _on_signal(self, number: int, frame: object) -> None:
+        self.signals += 1
+        if self.signals == 1:
+            self.since = time.monotonic()
+            for pid in _child_process_groups():
+                with contextlib.suppress(OSError):
+                    os.killpg(pid, signal.SIGINT)
+
+    def __call__(self) -> bool:
+        return self.signals > 1 or (self.signals == 1 and time.monotonic() - self.since > STOP_GRACE_S)
+
+
+def _child_process_groups() -> list[int]:
+    """This process's children that lead their own process group (ansible-runner's pexpect child)."""
+    me, found = os.getpid(), []
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        pid = int(entry.parent.name)
+        if int(fields[1]) == me and int(fields[2]) == pid:  # ppid, pgrp
+            found.append(pid)
+    return found
 
 
 def base_env() -> dict[str, str]:
@@ -100,6 +219,11 @@ def base_env() -> dict[str, str]:
     }
 
 
+def run_env(inventory: Path) -> dict[str, str]:
+    """The whole environment of a run: the allow-listed part of the controller's, then the project's."""
+    return {**allowed_environ(os.environ), **base_env(), **ssh_env(inventory)}
+
+
 def run_playbook(
     playbook: str,
     *,
@@ -111,7 +235,8 @@ def run_playbook(
     artifact_root: Path | None = None,
     timeout: int | None = None,
 ) -> RunResult:
-    """Run ``playbooks/<playbook>`` and return its result; raise RunError or TransportError on failure."""
+    """Run ``playbooks/<playbook>`` and return its result; raise RunError or TransportError on failure,
+    RunInterrupted on Ctrl-C (after ansible-playbook stopped)."""
     import ansible_runner
 
     path = PLAYBOOKS / playbook
@@ -123,10 +248,17 @@ def run_playbook(
     data: dict[str, Any] = {}
     failed: list[FailedTask] = []
     stats: dict[str, HostStats] = {}
+    last_task: list[str] = []
+    unreachable_output: dict[str, str] = {}  # ssh's whole message: its host-key lines come after the first
 
     def handle(event: dict[str, Any]) -> bool:
         name = event.get("event")
         event_data = event.get("event_data", {})
+        if name in ("playbook_on_task_start", "runner_on_start") and event_data.get("task"):
+            host = event_data.get("host")
+            last_task[:] = [f"{host}: {event_data['task']}" if host else str(event_data["task"])]
+        if name == "runner_on_unreachable":
+            unreachable_output.setdefault(event_data.get("host", "?"), str(event_data.get("res", {}).get("msg", "")))
         if name in ("runner_on_failed", "runner_on_unreachable") and not event_data.get("ignore_errors"):
             failed.append(FailedTask(
                 host=event_data.get("host", "?"),
@@ -146,7 +278,9 @@ def run_playbook(
         return True
 
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="v100box-run-") as private, _environ_without(set(secrets.values())):
+    env = run_env(inventory)
+    with inventory_lock(inventory, f"ansible-playbook {playbook}"), \
+            tempfile.TemporaryDirectory(prefix="v100box-run-") as private, _Stopper() as stopper:
         cmdline = []
         if secrets:
             secrets_file = Path(private) / "secrets.yml"
@@ -155,25 +289,28 @@ def run_playbook(
                 yaml.safe_dump(dict(secrets), secrets_out)
             cmdline = ["-e", f"@{secrets_file}"]
         data_dir = Path(private) / "data"
-        data_dir.mkdir()
-        runner = ansible_runner.run(
-            private_data_dir=str(data_dir),
-            artifact_dir=str(artifact_root),
-            rotate_artifacts=20,
-            playbook=str(path),
-            inventory=str((inventory / "hosts.yml").resolve()),
-            limit=limit,
-            extravars=dict(extravars or {}),
-            cmdline=shlex.join(cmdline) if cmdline else None,
-            envvars=base_env(),
-            # Joined onto the run's artifact dir; an absolute path keeps one cache per inventory.
-            fact_cache=str((inventory / "facts").resolve()),
-            fact_cache_type="jsonfile",
-            event_handler=handle,
-            quiet=True,
-            timeout=timeout,
-            suppress_env_files=True,
-        )
+        (data_dir / "env").mkdir(parents=True)
+        (data_dir / "env" / "settings").write_text("pexpect_timeout: 1\n")  # how often a Ctrl-C is noticed
+        with _only_environ(env):
+            runner = ansible_runner.run(
+                private_data_dir=str(data_dir),
+                artifact_dir=str(artifact_root),
+                rotate_artifacts=20,
+                playbook=str(path),
+                inventory=str((inventory / "hosts.yml").resolve()),
+                limit=limit,
+                extravars=dict(extravars or {}),
+                cmdline=shlex.join(cmdline) if cmdline else None,
+                envvars=env,
+                # Joined onto the run's artifact dir; an absolute path keeps one cache per inventory.
+                fact_cache=str((inventory / "facts").resolve()),
+                fact_cache_type="jsonfile",
+                event_handler=handle,
+                quiet=True,
+                timeout=timeout,
+                suppress_env_files=True,
+                cancel_callback=stopper,
+            )
     result = RunResult(
         playbook=playbook,
         status=runner.status,
@@ -183,13 +320,20 @@ def run_playbook(
         failed=failed,
         data=data,
         artifact_dir=Path(runner.config.artifact_dir),
+        last_task=last_task[0] if last_task else None,
     )
+    if stopper.signals:
+        result.status = "interrupted"
+        where = f" during task '{result.last_task}'" if result.last_task else " before its first task"
+        raise RunInterrupted(f"{playbook} interrupted{where}; run the same command again to finish "
+                             f"(artifacts: {result.artifact_dir})", result)
     if runner.status == "successful":
         return result
     unreachable = [task for task in failed if task.unreachable]
     if unreachable:
         first = unreachable[0]
-        raise TransportError(f"box {first.host}: unreachable from Ansible: {first.message}")
+        raise TransportError(_host_key_problem(first.host, unreachable_output.get(first.host, ""), inventory)
+                             or f"box {first.host}: unreachable from Ansible: {first.message}")
     if runner.status == "timeout":
         raise RunError(f"{playbook} did not finish within {timeout} s (artifacts: {result.artifact_dir})")
     lines = [f"{task.host}: task '{task.task}' failed: {task.message}" for task in failed]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install what the controller, its lab and its tests need on a Debian 12 machine, idempotently:
 # Debian packages (podman and debootstrap for the systemd target, a compiler for the CPU engine),
-# then a virtual environment in .venv with the project installed.
+# then a virtual environment in .venv with the locked dependencies and the project installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,16 +18,23 @@ if ((${#missing[@]})); then
 fi
 
 python=${PYTHON:-python3}
+if ! "$python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+  echo "bootstrap: requirements.lock is resolved for Python 3.11 (Debian 12's python3): set PYTHON=python3.11" >&2
+  exit 2
+fi
 if [[ ! -x .venv/bin/python ]]; then
   if ! "$python" -m venv .venv 2>/dev/null; then
     DEBIAN_FRONTEND=noninteractive ${sudo:-} apt-get install -y -qq python3-venv >/dev/null
     "$python" -m venv .venv
   fi
 fi
-stamp=.venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)
+# Every Python package comes from the hash-pinned locks (scripts/lock.sh refreshes them): pip first, then the
+# locked set with its build backend, then this project alone, so nothing unpinned is ever resolved.
+stamp=.venv/.installed-$(cat requirements-pip.lock requirements.lock pyproject.toml | sha256sum | cut -c1-16)
 if [[ ! -e $stamp ]]; then
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e '.[test,lint]'
+  .venv/bin/python -m pip install -q --require-hashes -r requirements-pip.lock
+  .venv/bin/python -m pip install -q --require-hashes -r requirements.lock
+  .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
   rm -f .venv/.installed-* && touch "$stamp"
 fi
 echo "bootstrap: ready (.venv/bin/controller, .venv/bin/pytest)"

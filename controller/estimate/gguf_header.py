@@ -26,6 +26,8 @@ from controller.errors import ControllerError
 _FIRST_CHUNK = 64 << 10  # most headers fit; big vocabularies take a few doubling reads
 _MAX_STEP = 8 << 20  # cap on one read-ahead, so a read never runs far past the header into tensor data
 _MAX_HEADER = 1 << 30  # a vocabulary of a few million tokens is still far below this
+_MAX_ARRAY = 1 << 24  # items in one metadata array: vocabularies and merge lists stay far below this
+_MAX_NESTING = 4  # arrays of arrays: real headers nest at most once
 _MAGIC_BYTES = struct.pack("<I", GGUF_MAGIC)
 
 _SCALAR_FORMATS: dict[GGUFValueType, str] = {
@@ -89,6 +91,18 @@ class GGUFHeader:
     def arch_value(self, suffix: str, default: Any = None) -> Any:
         """The architecture-scoped key (``<arch>.<suffix>``), as llama.cpp looks keys up."""
         return self.metadata.get(f"{self.arch}.{suffix}", default)
+
+    def arch_int(self, suffix: str, default: int = 0) -> int:
+        """An architecture-scoped key that must be one number; GGUFHeaderError names it when it is not."""
+        value = self.arch_value(suffix)
+        return default if value is None else number(value, f"{self.arch}.{suffix}", self.source)
+
+    def arch_ints(self, suffix: str) -> int | list[int] | None:
+        """A key that is one number or one number per layer (head counts, n_ff), checked like ``arch_int``."""
+        value = self.arch_value(suffix)
+        if isinstance(value, list):
+            return [number(item, f"{self.arch}.{suffix}", self.source) for item in value]
+        return None if value is None else number(value, f"{self.arch}.{suffix}", self.source)
 
     @property
     def tensor_bytes(self) -> int:
@@ -242,19 +256,41 @@ class _Cursor:
         self.pos += length
         return raw.decode("utf-8", errors="replace")
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, key: str = "", depth: int = 0) -> Any:
         try:
             kind = GGUFValueType(vtype)
         except ValueError:
-            raise GGUFHeaderError(f"{self.label}: unknown metadata value type {vtype}; the header is corrupt") from None
+            raise GGUFHeaderError(f"{self.label}: unknown metadata value type {vtype} for {key!r}; the header is "
+                                  "corrupt") from None
         if kind == GGUFValueType.STRING:
             return self.string()
         if kind == GGUFValueType.ARRAY:
             item_type, count = self.unpack("IQ")
+            if count > _MAX_ARRAY or depth >= _MAX_NESTING:
+                what = f"{count} items" if count > _MAX_ARRAY else f"arrays nested {depth + 1} deep"
+                raise GGUFHeaderError(f"{self.label}: metadata key {key!r} holds {what}; the header is corrupt "
+                                      "(re-download the model)")
             if item_type in _SCALAR_FORMATS:
                 return list(self.unpack(f"{count}{_SCALAR_FORMATS[GGUFValueType(item_type)]}")) if count else []
-            return [self.value(item_type) for _ in range(count)]
+            return [self.value(item_type, key, depth + 1) for _ in range(count)]
         return self.unpack(_SCALAR_FORMATS[kind])[0]
+
+
+def number(value: Any, key: str, label: str) -> int:
+    """A metadata value that must be a whole number; anything else means a corrupt or hand-made header."""
+    if not isinstance(value, (int, float)) or value != value or value in (float("inf"), float("-inf")):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
+        raise GGUFHeaderError(f"{label}: metadata key {key!r} is {shown}, where a number belongs; the header is "
+                              "corrupt (re-download or re-convert the model)")
+    return int(value)
+
+
+def _alignment(value: Any, label: str) -> int:
+    alignment = number(value, "general.alignment", label) or GGUF_DEFAULT_ALIGNMENT
+    if alignment < 0 or alignment & (alignment - 1):
+        raise GGUFHeaderError(f"{label}: metadata key 'general.alignment' is {alignment}, not a power of two; "
+                              "the header is corrupt (re-download or re-convert the model)")
+    return alignment
 
 
 def _open_source(source: str | Path, headers: Mapping[str, str] | None, timeout: float) -> _ByteSource:
@@ -331,7 +367,7 @@ def read_header(
         for _ in range(n_kv):
             key = cur.string()
             (vtype,) = cur.unpack("I")
-            metadata[key] = cur.value(vtype)
+            metadata[key] = cur.value(vtype, key)
         raw = []
         unknown: set[int] = set()
         for _ in range(n_tensors):
@@ -345,7 +381,7 @@ def read_header(
             if nbytes is None:
                 unknown.add(ggml_type)
             raw.append((name, shape, ggml_type, offset, nbytes))
-        alignment = int(metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)) or GGUF_DEFAULT_ALIGNMENT
+        alignment = _alignment(metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT), label)
         data_offset = -(-cur.pos // alignment) * alignment
         size = byte_source.size
         data_end = size - data_offset if size is not None and size > data_offset else None

@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 
 from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, LlamaFileType
 
-from controller.estimate.gguf_header import GGUFHeader, TensorInfo
+from controller.estimate.gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo, number
+
+# A transformer of more blocks than this does not exist; a bigger block_count is a corrupt header.
+MAX_LAYERS = 4096
 
 # Default sliding-window pattern (every n-th layer is full attention) when the GGUF stores a window
 # but no pattern, and whether the pattern puts the full-attention layer first. Mirrors the
@@ -95,18 +98,17 @@ class ModelSpec:
         return not any(t.name == "output.weight" for t in self.tensors)
 
 
-def _per_layer(value: object, n_layer: int, default: int = 0) -> list[int]:
-    """A GGUF key that is either one number or one number per layer (head counts, n_ff)."""
+def _per_layer(value: int | list[int] | None, n_layer: int, default: int = 0) -> list[int]:
+    """A GGUF key that is either one number or one number per layer (head counts, n_ff), as ``arch_ints`` reads it."""
     if isinstance(value, list):
-        values = [int(v) for v in value]
-        return (values + [values[-1] if values else default] * n_layer)[:n_layer]
-    return [int(value) if value is not None else default] * n_layer
+        return (value + [value[-1] if value else default] * n_layer)[:n_layer]
+    return [value if value is not None else default] * n_layer
 
 
 def _swa_layers(header: GGUFHeader, n_layer_all: int, n_layer: int, notes: list[str]) -> tuple[list[bool], int]:
     """Which layers use the sliding window, and the window, following llama.cpp's per-arch rules."""
     arch = header.arch
-    window = int(header.arch_value("attention.sliding_window", 0) or 0)
+    window = header.arch_int("attention.sliding_window")
     pattern = header.arch_value("attention.sliding_window_pattern")
     if window <= 0:
         if arch in SWA_DEFAULT_PATTERN and arch not in SWA_OPTIONAL:
@@ -119,7 +121,7 @@ def _swa_layers(header: GGUFHeader, n_layer_all: int, n_layer: int, notes: list[
     if pattern is None and default is None:
         notes.append(f"{arch}: sliding window {window} but no known layer pattern; all layers treated as full")
         return [False] * n_layer_all, window
-    n_pattern = int(pattern) if pattern is not None else default[0]
+    n_pattern = header.arch_int("attention.sliding_window_pattern") if pattern is not None else default[0]
     dense_first = default[1] if default else False
     flags = []
     for il in range(n_layer_all):
@@ -141,27 +143,27 @@ def _recurrent_layers(header: GGUFHeader, n_layer_all: int, n_layer: int, n_head
     listed = header.arch_value("attention.recurrent_layers")
     if isinstance(listed, list):
         return [bool(v) for v in listed][:n_layer_all] + [False] * max(0, n_layer_all - len(listed))
-    interval = header.arch_value("full_attention_interval", HYBRID_FULL_ATTENTION_INTERVAL.get(arch))
+    interval = header.arch_int("full_attention_interval", HYBRID_FULL_ATTENTION_INTERVAL.get(arch, 0))
     if interval:
-        return [il < n_layer and (il + 1) % int(interval) != 0 for il in range(n_layer_all)]
+        return [il < n_layer and (il + 1) % interval != 0 for il in range(n_layer_all)]
     # Jamba, Granite hybrid, Nemotron-H and LFM2 mark their state layers with zero KV heads.
     return [il < n_layer and n_head_kv[il] == 0 for il in range(n_layer_all)]
 
 
 def _recurrent_widths(header: GGUFHeader) -> tuple[int, int]:
     """Per-sequence state widths, mirroring llama_hparams::n_embd_r/n_embd_s."""
-    n_embd = int(header.arch_value("embedding_length", 0) or 0)
-    wkv = int(header.arch_value("wkv.head_size", 0) or 0)
+    n_embd = header.arch_int("embedding_length")
+    wkv = header.arch_int("wkv.head_size")
     if wkv:
-        shift = int(header.arch_value("token_shift_count", 2) or 2)
+        shift = header.arch_int("token_shift_count", 2) or 2
         return shift * n_embd, n_embd * wkv
-    conv_l = int(header.arch_value("shortconv.l_cache", 0) or 0)
+    conv_l = header.arch_int("shortconv.l_cache")
     if conv_l:
         return n_embd * (conv_l - 1), 0
-    d_conv = int(header.arch_value("ssm.conv_kernel", 0) or 0)
-    d_inner = int(header.arch_value("ssm.inner_size", 0) or 0)
-    d_state = int(header.arch_value("ssm.state_size", 0) or 0)
-    n_group = int(header.arch_value("ssm.group_count", 0) or 0)
+    d_conv = header.arch_int("ssm.conv_kernel")
+    d_inner = header.arch_int("ssm.inner_size")
+    d_state = header.arch_int("ssm.state_size")
+    n_group = header.arch_int("ssm.group_count")
     conv = max(d_conv - 1, 0) * (d_inner + 2 * n_group * d_state)
     return conv, d_state * d_inner
 
@@ -171,7 +173,7 @@ def _file_type(header: GGUFHeader) -> str:
     value = header.metadata.get("general.file_type")
     if value is not None:
         try:
-            name = LlamaFileType(int(value)).name
+            name = LlamaFileType(number(value, "general.file_type", header.source)).name
             return name.removeprefix("MOSTLY_").removeprefix("ALL_")
         except ValueError:
             return f"type{value}"
@@ -183,8 +185,8 @@ def _n_vocab(header: GGUFHeader) -> int:
     tokens = header.metadata.get("tokenizer.ggml.tokens")
     if isinstance(tokens, list) and tokens:
         return len(tokens)
-    if header.arch_value("vocab_size"):
-        return int(header.arch_value("vocab_size"))
+    if header.arch_int("vocab_size"):
+        return header.arch_int("vocab_size")
     for tensor in header.tensors:
         if tensor.name == "token_embd.weight" and len(tensor.shape) == 2:
             return tensor.shape[1]
@@ -200,24 +202,27 @@ def model_spec(header: GGUFHeader) -> ModelSpec:
             f"architecture {arch!r} is unknown to gguf-py/llama.cpp: KV assumes plain attention on every layer, "
             "and sliding-window, recurrent or MLA layouts could not be checked"
         )
-    n_layer_all = int(header.arch_value("block_count", 0) or 0)
+    n_layer_all = header.arch_int("block_count")
+    if not 0 <= n_layer_all <= MAX_LAYERS:
+        raise GGUFHeaderError(f"{header.source}: metadata key '{arch}.block_count' is {n_layer_all}, not a layer count "
+                              f"(0 to {MAX_LAYERS}); the header is corrupt (re-download or re-convert the model)")
     if not n_layer_all:
         notes.append(f"{arch}: no block_count in the GGUF; KV cache and per-layer placement not estimated")
-    n_nextn = int(header.arch_value("nextn_predict_layers", 0) or 0)
+    n_nextn = header.arch_int("nextn_predict_layers")
     n_layer = n_layer_all - n_nextn
-    n_embd = int(header.arch_value("embedding_length", 0) or 0)
-    n_head = _per_layer(header.arch_value("attention.head_count", 0), n_layer_all)
-    n_head_kv = _per_layer(header.arch_value("attention.head_count_kv"), n_layer_all) if header.arch_value(
+    n_embd = header.arch_int("embedding_length")
+    n_head = _per_layer(header.arch_ints("attention.head_count"), n_layer_all)
+    n_head_kv = _per_layer(header.arch_ints("attention.head_count_kv"), n_layer_all) if header.arch_value(
         "attention.head_count_kv") is not None else list(n_head)
     first_heads = next((h for h in n_head if h), 0)
-    head_k = int(header.arch_value("attention.key_length", n_embd // first_heads if first_heads else 0) or 0)
-    head_v = int(header.arch_value("attention.value_length", n_embd // first_heads if first_heads else 0) or 0)
-    head_k_swa = int(header.arch_value("attention.key_length_swa", head_k) or head_k)
-    head_v_swa = int(header.arch_value("attention.value_length_swa", head_v) or head_v)
+    head_k = header.arch_int("attention.key_length", n_embd // first_heads if first_heads else 0) or 0
+    head_v = header.arch_int("attention.value_length", n_embd // first_heads if first_heads else 0) or 0
+    head_k_swa = header.arch_int("attention.key_length_swa", head_k) or head_k
+    head_v_swa = header.arch_int("attention.value_length_swa", head_v) or head_v
     mla = bool(header.arch_value("attention.key_length_mla")) and bool(header.arch_value("attention.value_length_mla"))
     swa, n_swa = _swa_layers(header, n_layer_all, n_layer, notes)
     recurrent = _recurrent_layers(header, n_layer_all, n_layer, n_head_kv)
-    shared_kv = int(header.arch_value("attention.shared_kv_layers", 0) or 0)
+    shared_kv = header.arch_int("attention.shared_kv_layers")
     layers = []
     for il in range(n_layer_all):
         if il >= n_layer:
@@ -234,8 +239,8 @@ def model_spec(header: GGUFHeader) -> ModelSpec:
         layers.append(Layer(il, kind, n_head[il], n_head_kv[il], hk, 0 if mla else hv))
     if arch in RECURRENT_ARCHS | HYBRID_ARCHS and not any(_recurrent_widths(header)):
         notes.append(f"{arch}: recurrent state sizes missing from the GGUF; state memory not estimated")
-    n_ff = _per_layer(header.arch_value("feed_forward_length", 0), max(n_layer_all, 1))
-    expert_ff = header.arch_value("expert_feed_forward_length", 0)
+    n_ff = _per_layer(header.arch_ints("feed_forward_length"), max(n_layer_all, 1))
+    expert_ff = header.arch_ints("expert_feed_forward_length")
     n_ff_exp = max(_per_layer(expert_ff, max(n_layer_all, 1))) if expert_ff else 0
     size = header.file_size if header.has_tensor_data and header.file_size else header.data_offset + header.tensor_bytes
     if header.unknown_types:
@@ -244,12 +249,12 @@ def model_spec(header: GGUFHeader) -> ModelSpec:
         )
     return ModelSpec(
         arch=arch, n_layer=n_layer, n_layer_all=n_layer_all,
-        n_ctx_train=int(header.arch_value("context_length", 0) or 0), n_embd=n_embd, n_vocab=_n_vocab(header),
-        n_ff=max(n_ff), n_expert=int(header.arch_value("expert_count", 0) or 0),
-        n_expert_used=int(max(_per_layer(header.arch_value("expert_used_count", 0), 1))),
+        n_ctx_train=header.arch_int("context_length"), n_embd=n_embd, n_vocab=_n_vocab(header),
+        n_ff=max(n_ff), n_expert=header.arch_int("expert_count"),
+        n_expert_used=max(_per_layer(header.arch_ints("expert_used_count"), 1)),
         n_ff_exp=n_ff_exp, n_swa=n_swa, layers=layers, mla=mla,
-        kv_lora_rank=int(header.arch_value("attention.kv_lora_rank", 0) or 0),
-        n_rot=int(header.arch_value("rope.dimension_count", head_k) or head_k),
+        kv_lora_rank=header.arch_int("attention.kv_lora_rank"),
+        n_rot=header.arch_int("rope.dimension_count", head_k) or head_k,
         recurrent_r=_recurrent_widths(header)[0], recurrent_s=_recurrent_widths(header)[1],
         params=sum(t.n_elements for t in header.tensors), file_type=_file_type(header), size_bytes=size,
         tensors=header.tensors, notes=notes,

@@ -51,6 +51,7 @@ def write_fleet(folder: Path, target: lab_target.Target, server: FileServer, cat
                 "port": target.ssh_port,
                 "user": target.user,
                 "key": str(target.key),
+                "host_key": target.host_public_key(),  # read through podman: a recreated box is no stranger
                 "models": [{"id": "tiny-llama", "ctx": 2048}],
                 "base_port": DEMO_PORT,
                 "mirror": {"engines": f"{server.url}/engines", "models": server.url},

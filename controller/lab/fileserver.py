@@ -10,6 +10,9 @@ reachable from the lab, so this server reproduces what the download code must co
 * ``/redirect/<path>``: a 302 to ``<path>`` on another host name with a signed query, the way the hub
   sends large files to its CDN (the signed URL needs no token);
 * an optional bearer token (401 without it);
+* optional TLS with a throwaway self-signed certificate for 127.0.0.1 and localhost (``tls=True``;
+  ``ca_file`` is the certificate a client trusts, e.g. through ``SSL_CERT_FILE``), so the rule "a token
+  travels only over HTTPS" can be tested for real;
 * fault injection (``drop_after``: cut the connection after N body bytes), pacing (``rate``: a slower
   link) and a counter of body bytes sent, so tests and benchmarks can measure how much a resumed
   download re-fetches.
@@ -22,9 +25,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import hmac
+import ipaddress
 import secrets
+import shutil
 import socket
+import ssl
+import tempfile
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -99,6 +107,7 @@ class FileServer:
         token: str | None = None,
         port: int = 0,
         redirect_host: str = "localhost",
+        tls: bool = False,
     ) -> None:
         self.root = Path(root).resolve()
         self.token = token
@@ -118,10 +127,24 @@ class FileServer:
         self.port: int = self._sock.getsockname()[1]
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._tls_dir: Path | None = None
+        self._ssl: ssl.SSLContext | None = None
+        if tls:
+            self._tls_dir = Path(tempfile.mkdtemp(prefix="fileserver-tls-"))
+            self._ssl = _self_signed_context(self._tls_dir)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self._ssl is not None else "http"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
+
+    @property
+    def ca_file(self) -> Path | None:
+        """The certificate a client must trust to talk to this server over TLS (None without TLS)."""
+        return self._tls_dir / "cert.pem" if self._tls_dir is not None else None
 
     @property
     def bytes_sent(self) -> int:
@@ -156,6 +179,8 @@ class FileServer:
         assert self._loop is not None and self._thread is not None
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        if self._tls_dir is not None:
+            shutil.rmtree(self._tls_dir, ignore_errors=True)
 
     def _serve(self, ready: threading.Event) -> None:
         loop = self._loop
@@ -163,7 +188,7 @@ class FileServer:
         asyncio.set_event_loop(loop)
         runner = web.AppRunner(self._app(), access_log=None, shutdown_timeout=0.5)
         loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.SockSite(runner, self._sock).start())
+        loop.run_until_complete(web.SockSite(runner, self._sock, ssl_context=self._ssl).start())
         ready.set()
         try:
             loop.run_forever()
@@ -205,7 +230,7 @@ class FileServer:
 
     async def _redirect(self, request: web.Request) -> web.StreamResponse:
         path = "/" + request.match_info["path"]
-        location = f"http://{self.redirect_host}:{self.port}{path}?sig={self._signature(path)}"
+        location = f"{self.scheme}://{self.redirect_host}:{self.port}{path}?sig={self._signature(path)}"
         raise web.HTTPFound(location)
 
     async def _resolve(self, request: web.Request) -> web.StreamResponse:
@@ -222,14 +247,47 @@ class FileServer:
         return _CountedFileResponse(path, self)
 
 
+def _self_signed_context(folder: Path) -> ssl.SSLContext:
+    """A server context with a fresh certificate for 127.0.0.1 and localhost, written to ``folder``."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "v100box lab file server")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=2))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(x509.SubjectAlternativeName(
+            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    (folder / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (folder / "key.pem").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(folder / "cert.pem", folder / "key.pem")
+    return context
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Serve a folder like a model hub (Range, redirects, token).")
     parser.add_argument("root", type=Path)
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--token", default=None, help="require 'Authorization: Bearer TOKEN'")
+    parser.add_argument("--tls", action="store_true", help="serve HTTPS with a throwaway self-signed certificate")
     args = parser.parse_args(argv)
-    with FileServer(args.root, token=args.token, port=args.port) as server:
-        print(f"serving {server.root} at {server.url} (Ctrl-C stops)", flush=True)
+    with FileServer(args.root, token=args.token, port=args.port, tls=args.tls) as server:
+        trust = f"; trust {server.ca_file}" if server.ca_file else ""
+        print(f"serving {server.root} at {server.url}{trust} (Ctrl-C stops)", flush=True)
         try:
             threading.Event().wait()
         except KeyboardInterrupt:

@@ -5,7 +5,9 @@ Everything is written under one folder that ``controller.lab.fileserver.FileServ
     engines/llama-cpu-0c1e570-linux-x86_64.tar.gz   bin/llama-server, bin/llama-bench, BUILD-INFO
     engines/SHA256SUMS
     lab/tiny-models-GGUF/<file>.gguf                   the hub layout: <org>/<repo>/<file>
-    catalog.yml                                        catalog entries for those models, sha256 pinned
+    catalog.yml                                        catalog entries for those models and the CPU
+                                                       engine, sha256 pinned (the site is plain HTTP, so
+                                                       its SHA256SUMS alone is not trusted)
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from pathlib import Path
 
 import yaml
 
+from controller.catalog import load_catalog
 from controller.files import write_atomic
 from controller.lab import engine_build, tinymodels
 from controller.lab.engine_build import sha256_file
 
 PACK_NAME = "llama-cpu-0c1e570-linux-x86_64.tar.gz"
+LAB_ENGINE = "cpu-0c1e570"
 MODEL_REPO = "lab/tiny-models-GGUF"
 
 
@@ -64,6 +68,14 @@ def write_sums(folder: Path) -> Path:
     return target
 
 
+def pinned_engine(pack: Path) -> dict[str, dict]:
+    """The built-in CPU engine entry with this pack's sha256 pinned (a catalog entry replaces the built-in one)."""
+    engine = load_catalog().engine(LAB_ENGINE)
+    body = engine.model_dump(mode="json", exclude={"id"}, exclude_none=True)
+    body["packs"]["linux-x86_64"] = {"file": pack.name, "sha256": sha256_file(pack)}
+    return {LAB_ENGINE: body}
+
+
 def build_site(root: Path, models: tuple[LabModel, ...] = DEMO_MODELS) -> Path:
     """Fill ``root`` with the engine pack and the models; returns the catalog file."""
     engines = root / "engines"
@@ -88,5 +100,5 @@ def build_site(root: Path, models: tuple[LabModel, ...] = DEMO_MODELS) -> Path:
             "engine": "upstream",
         }
     catalog = root / "catalog.yml"
-    write_atomic(catalog, yaml.safe_dump({"models": entries}, sort_keys=True))
+    write_atomic(catalog, yaml.safe_dump({"models": entries, "engines": pinned_engine(pack)}, sort_keys=True))
     return catalog

@@ -105,6 +105,7 @@ CONTAINERS_CONF = Path("/etc/containers/containers.conf")
 DEFAULT_ULIMITS = {"nofile": "nofile=20000:20000", "nproc": "nproc=32768:32768"}
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 LOOPBACK = "127.0.0.1"
+HOST_KEY_FILE = "/etc/ssh/ssh_host_ed25519_key.pub"
 HOST_PACKAGES = "podman crun netavark debootstrap debian-archive-keyring openssh-client"
 
 
@@ -524,6 +525,7 @@ class Target:
     host: str = LOOPBACK
     user: str = "root"
     failed_units: list[str] = field(default_factory=list)
+    _host_key: str = field(default="", init=False, repr=False)
 
     @classmethod
     def start(
@@ -580,7 +582,8 @@ class Target:
             "--label", f"{LABEL}=1", "--label", f"{OWNER_LABEL}={owner}",
             "--label", f"{PORT_LABEL}={self.ssh_port}", "--label", f"{KEY_LABEL}={self.key_path or ''}",
             "--privileged", "--systemd=always", "--network=host",
-            self.image, "/sbin/init",
+            # / shared, as systemd makes it on a real machine: LoadCredential= (API keys) needs it.
+            self.image, "/bin/sh", "-c", "mount --make-rshared / && exec /sbin/init",
             what=f"create container {self.name}",
         )
         _podman(
@@ -681,9 +684,34 @@ class Target:
             raise LabError(f"{self.name} was started with a public key whose private half is unknown")
         return self.key_path
 
+    def host_public_key(self) -> str:
+        """The container's SSH host key ("ssh-ed25519 AAAA..."), read through podman rather than over the
+        SSH connection it vouches for; give it to a fleet file as ``host_key``."""
+        if not self._host_key:
+            self._host_key = " ".join(self.exec(["cat", HOST_KEY_FILE]).split()[:2])
+        return self._host_key
+
+    def new_host_key(self, timeout: float = 60.0) -> str:
+        """Give sshd a new host key, as a reinstalled box (or an impostor on its address) would have; the
+        container restarts, which also ends every open SSH session. Returns the new public key."""
+        self.exec("rm -f /etc/ssh/ssh_host_*")
+        _podman("restart", "--time", "2", self.name, what=f"restart container {self.name}")
+        self._wait_until_ready(timeout)
+        self._host_key = ""
+        return self.host_public_key()
+
+    def known_hosts(self) -> Path:
+        """The lab's known_hosts file, holding this target's current host key (one entry per port)."""
+        from controller.transports.known_hosts import entry_name, parse_public_key, record
+
+        path = cache_root() / "ssh" / "known_hosts"
+        record(path, entry_name(self.host, self.ssh_port), parse_public_key(self.host_public_key(), self.name),
+               replace=True)
+        return path
+
     def ssh_argv(self, *command: str) -> list[str]:
-        """An ``ssh`` command line that logs in as root with the lab key."""
-        options = ["-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
+        """An ``ssh`` command line that logs in as root with the lab key and checks the host key."""
+        options = ["-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={self.known_hosts()}",
                    "-o", "LogLevel=ERROR", "-o", "BatchMode=yes", "-o", "IdentitiesOnly=yes"]
         key = ["-i", str(self.key_path)] if self.key_path else []
         return ["ssh", *key, *options, "-p", str(self.ssh_port), f"{self.user}@{self.host}", *command]
@@ -695,7 +723,7 @@ class Target:
             "ansible_port": self.ssh_port,
             "ansible_user": self.user,
             "ansible_python_interpreter": "/usr/bin/python3",
-            "ansible_ssh_common_args": "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null",
+            "ansible_ssh_common_args": f"-o StrictHostKeyChecking=yes -o UserKnownHostsFile={self.known_hosts()}",
         }
         if self.key_path:
             variables["ansible_ssh_private_key_file"] = str(self.key_path)

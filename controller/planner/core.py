@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from controller.catalog import Catalog, EngineEntry, ModelEntry
-from controller.errors import CatalogError, PlanError
+from controller.errors import CatalogError, PlanError, ProbeError
 from controller.estimate.gguf_header import GGUFHeader
 from controller.estimate.memory import estimate, resolve_settings
 from controller.fleet import Box, WantedModel
@@ -373,6 +373,14 @@ def _env(place: Placement, ctx: Context) -> tuple[dict[str, str], list[str]]:
     return env, [reason]
 
 
+def _auth_reason(engine: EngineEntry) -> str:
+    """The role adds the key and slot flags (it knows where the key file is); say how this engine gets them."""
+    unread = "" if engine.api_key.env else f"; {engine.id} reads no API key from the environment"
+    return (f"API key required: {engine.api_key.file_flag} reads the box's key file through a systemd credential, "
+            f"never on the command line{unread}; {' '.join(engine.no_slots_flags) or 'no flag'} turns the slot "
+            f"endpoints off unless the instance sets slots: true")
+
+
 def _args(service: Service, entry: ModelEntry, place: Placement, model_dir: str, cram: bool) -> list[str]:
     """The full llama-server command line, in the flags the chosen engine version accepts."""
     engine, fit = place.engine, place.fit
@@ -423,6 +431,7 @@ def _service(index: int, name: str, want: WantedModel, entry: ModelEntry, model:
                             _template_reason(entry)) if r]
     reasons += env_reasons
     reasons.append(f"port {port}: the box's base port plus the model's place ({index}) in the wanted list")
+    reasons.append(_auth_reason(engine))
     cpu_mib = fit.device_mib[-1]
     cram = engine.family == "ik" and gset is not None and (
         ctx.ram_free_mib is None or ctx.ram_free_mib - cpu_mib >= CACHE_RAM_MIB + HOST_RESERVE_MIB)
@@ -520,6 +529,9 @@ def plan_models(wanted: Sequence[WantedModel], profile: HardwareProfile, catalog
     ``headers`` maps catalog ids to a GGUF path/URL (or a header already read) whose header is used
     instead of the catalog's hyperparameters.
     """
+    problem = profile.gpu_index_problem()
+    if problem:  # the indices become CUDA_VISIBLE_DEVICES: never plan on a profile that misnames the GPUs
+        raise ProbeError(f"the hardware profile cannot be planned for: {problem}; probe the box again")
     headers = headers or {}
     entries = [catalog.model(want.id) for want in wanted]
     models = [memory_model(entry, headers.get(entry.id)) for entry in entries]

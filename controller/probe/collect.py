@@ -7,6 +7,7 @@ Probing never changes a host: every command is read-only, and a command whose to
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from controller.errors import ProbeError
 from controller.fleet import Box
@@ -34,13 +35,17 @@ def collect_windows(transport: Transport) -> dict[str, str]:
     return collect(transport)
 
 
-def probe_box(box: Box, transport: Transport | None = None) -> tuple[HardwareProfile, dict[str, str], float]:
-    """Probe a box; returns the profile, the raw outputs (for the record) and the seconds it took."""
+def probe_box(box: Box, transport: Transport | None = None, *, known_hosts: Path | None = None,
+              ) -> tuple[HardwareProfile, dict[str, str], float]:
+    """Probe a box; returns the profile, the raw outputs (for the record) and the seconds it took.
+
+    ``known_hosts``: the inventory's SSH known_hosts file (see controller.transports.known_hosts).
+    """
     from controller.probe.parse import parse_outputs
 
     started = time.monotonic()
     own = transport is None
-    transport = transport or open_transport(box)
+    transport = transport or open_transport(box, known_hosts=known_hosts)
     try:
         if box.os == "windows" or box.transport == "winrm":  # WinRM always lands in PowerShell
             outputs = collect_windows(transport)

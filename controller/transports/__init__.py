@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from controller.fleet import Box
 from controller.transports.base import CommandResult, Transport
 
 
-def open_transport(box: Box, *, timeout: float = 10.0) -> Transport:
-    """The transport the fleet file asks for, connected lazily on first use."""
+def open_transport(box: Box, *, timeout: float = 10.0, known_hosts: Path | None = None) -> Transport:
+    """The transport the fleet file asks for, connected lazily on first use.
+
+    ``known_hosts``: where SSH host keys are checked and recorded (the inventory's known_hosts file);
+    without it an SSH box is checked only against ``host_key`` from the fleet file.
+    """
     if box.transport == "local":
         from controller.transports.local import LocalTransport
 
@@ -15,7 +21,7 @@ def open_transport(box: Box, *, timeout: float = 10.0) -> Transport:
     if box.transport == "ssh":
         from controller.transports.ssh import SshTransport
 
-        return SshTransport(box, timeout=timeout)
+        return SshTransport(box, timeout=timeout, known_hosts=known_hosts)
     from controller.transports.winrm import WinRmTransport
 
     return WinRmTransport(box, timeout=timeout)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import sys
+from pathlib import Path
+
 import paramiko
 from fabric import Connection
 from invoke.exceptions import CommandTimedOut
@@ -9,10 +13,23 @@ from invoke.exceptions import CommandTimedOut
 from controller.errors import TransportError
 from controller.fleet import Box
 from controller.transports.base import CommandResult, Transport
+from controller.transports.known_hosts import HostKeyCheck, Notice, entry_name, parse_public_key
+
+# paramiko logs a failed handshake (a web server on the SSH port, say) with its own traceback before
+# it raises; the controller turns the exception into one line, so paramiko's log stays silent.
+_PARAMIKO_LOG = logging.getLogger("paramiko")
+_PARAMIKO_LOG.addHandler(logging.NullHandler())
+_PARAMIKO_LOG.propagate = False
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 class SshTransport(Transport):
-    def __init__(self, box: Box, *, timeout: float = 10.0):
+    def __init__(self, box: Box, *, timeout: float = 10.0, known_hosts: Path | None = None,
+                 notice: Notice | None = None):
+        """``known_hosts``: the inventory's known_hosts file (see controller.transports.known_hosts)."""
         super().__init__(box)
         connect_kwargs: dict[str, object] = {"banner_timeout": timeout, "auth_timeout": timeout}
         if box.key is not None:
@@ -28,16 +45,20 @@ class SshTransport(Transport):
             connect_timeout=timeout,
             connect_kwargs=connect_kwargs,
         )
-        # An unknown host key is accepted: the controller runs read-only commands here and Ansible,
-        # which changes the box, applies the operator's own host-key policy.
-        self._connection.client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+        fleet_key = parse_public_key(box.host_key, f"box {box.name}: host_key") if box.host_key else None
+        self._host_keys = HostKeyCheck(box.name, entry_name(box.address, box.effective_port), known_hosts,
+                                       fleet_key, notice or _to_stderr)
+        self._connection.client.set_missing_host_key_policy(self._host_keys)
 
     def _open(self) -> None:
         if self._connection.is_connected:
             return
         who = f"{self.where} as {self.box.user}"
+        self._host_keys.prepare(self._connection.client)
         try:
             self._connection.open()
+        except paramiko.BadHostKeyException as exc:
+            raise self._host_keys.refusal(exc.key, exc.expected_key, self.where) from None
         except paramiko.AuthenticationException:
             key = f"key {self.box.key}" if self.box.key else "the available keys"
             raise TransportError(

@@ -11,22 +11,29 @@ description:
   - Downloads O(url) to O(dest) through C(<dest>.part) in the same folder. An interrupted transfer
     keeps the partial file and the next run resumes it with a C(Range) request.
   - The SHA-256 is computed while the bytes arrive (after re-reading the partial file from local disk
-    when resuming), so a model is read once. O(dest) is replaced only after the hash matches; an older
-    good file stays in place until then.
-  - After a verified download a marker C(<dest>.verified) records hash, size and mtime, so later runs
-    skip without rereading tens of gigabytes. A file without a valid marker is hashed once.
+    when resuming), so a model is read once. O(dest) is replaced only after the hash matches, by an atomic
+    rename; an older good file stays in place until then.
+  - After a verified download a marker C(<dest>.verified) records hash, size, mtime, inode and owner, so
+    later runs skip without rereading tens of gigabytes. A file without a valid marker is hashed once.
+  - Two runs for the same O(dest) on one box take turns through C(flock) on C(<dest>.lock): the second
+    waits, then finds the file verified. No file is marked verified while another writer appends to it.
+  - The folder is opened once without following a link planted in its place, and every file in it is
+    opened relative to that folder with C(O_NOFOLLOW) (new files also C(O_EXCL)). A partial file, marker
+    or lock that is a link, not a regular file, hard-linked or owned by another user is removed, never
+    written through. A folder that others can write to is refused; a folder that is a link is accepted
+    only when the link belongs to root or to the user running the module.
   - Before any byte is fetched, the free space of the folder must cover the missing bytes plus a
     64 MiB margin; the expected size comes from O(size) or the C(HEAD) C(Content-Length).
-  - Redirects are followed. The C(Authorization) header (from O(token) or O(headers)) is sent only to
-    the host of the previous hop. Model hubs redirect to a CDN with a signed URL that needs no token,
-    and a token must not leak to another host.
+  - Redirects are followed. The token is sent only over HTTPS and only to a host listed in O(token_hosts),
+    never over plain HTTP and never to the host a redirect points at (model hubs redirect to a CDN with a
+    signed URL that needs no token).
 options:
   url:
     description: HTTP(S) URL of the file.
     type: str
     required: true
   dest:
-    description: Full path of the final file. Its folder must exist.
+    description: Full path of the final file. Its folder must exist and be writable only by its owner.
     type: path
     required: true
   sha256:
@@ -37,8 +44,13 @@ options:
     description: Expected size in bytes; without it a C(HEAD) request asks the server.
     type: int
   token:
-    description: Bearer token sent as C(Authorization) to the host of O(url). Never logged.
+    description: Bearer token sent as C(Authorization) over HTTPS to a host in O(token_hosts). Never logged.
     type: str
+  token_hosts:
+    description: Host names the token may be sent to (HTTPS only). Anything else gets no token.
+    type: list
+    elements: str
+    default: [huggingface.co]
   headers:
     description: Extra request headers. Put secrets in O(token), not here.
     type: dict
@@ -47,8 +59,15 @@ options:
     description: Seconds to wait for a connection or for the next bytes before the transfer counts as interrupted.
     type: int
     default: 60
-extends_documentation_fragment:
-  - files
+  owner:
+    description: Owner of O(dest); the user running the module when unset.
+    type: str
+  group:
+    description: Group of O(dest); left as created when unset.
+    type: str
+  mode:
+    description: Permissions of O(dest) as an octal string such as C("0640"); C(0644) for a new file when unset.
+    type: raw
 attributes:
   check_mode:
     support: full
@@ -60,14 +79,14 @@ author:
 EXAMPLES = r"""
 - name: Download the Gemma model
   gguf_download:
-    url: "https://models.example/google/gemma/resolve/main/gemma.gguf"
+    url: "https://huggingface.co/google/gemma/resolve/main/gemma.gguf"
     dest: /var/lib/llama/models/gemma.gguf
     sha256: "{{ gemma_sha256 }}"
     size: "{{ gemma_size_bytes }}"
     token: "{{ hf_token | default(omit, true) }}"
-    owner: llama
+    owner: root
     group: llama
-    mode: "0644"
+    mode: "0640"
 """
 
 RETURN = r"""
@@ -91,15 +110,24 @@ resumed_from:
   description: Bytes of an earlier partial download that this run kept (0 when it started fresh).
   returned: always
   type: int
+waited:
+  description: Seconds this run waited for another download of the same file to finish.
+  returned: always
+  type: float
 elapsed:
   description: Seconds this run took.
   returned: always
   type: float
 """
 
+import errno
+import fcntl
+import grp
 import hashlib
 import json
 import os
+import pwd
+import stat
 import time
 import urllib.error
 import urllib.parse
@@ -113,6 +141,9 @@ from ansible.module_utils.basic import AnsibleModule
 CHUNK = 4 << 20
 SPACE_MARGIN = 64 << 20
 GIB = 1 << 30
+DEFAULT_TOKEN_HOSTS = ("huggingface.co",)
+NEW_FILE_MODE = 0o644
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class DownloadError(Exception):
@@ -132,6 +163,14 @@ class Transfer(NamedTuple):
     resumed_from: int
 
 
+class Attributes(NamedTuple):
+    """Owner, group and mode wanted for the final file; None leaves that one as it is."""
+
+    uid: int | None
+    gid: int | None
+    mode: int | None
+
+
 def part_path(dest: str) -> str:
     return dest + ".part"
 
@@ -140,47 +179,237 @@ def marker_path(dest: str) -> str:
     return dest + ".verified"
 
 
+def lock_path(dest: str) -> str:
+    return dest + ".lock"
+
+
+# -- the folder: every file is reached relative to one descriptor, never through a link -----------
+
+
+class Folder:
+    """The download folder, opened once; names inside it are opened with O_NOFOLLOW relative to it.
+
+    A writer that can rename entries in the folder could otherwise swap a file for a link between a
+    check and a write, and root would write through it.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = open_folder(path)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def __enter__(self) -> Folder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def join(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def lstat(self, name: str) -> os.stat_result | None:
+        try:
+            return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+
+    def unlink(self, name: str) -> None:
+        try:
+            os.unlink(name, dir_fd=self.fd)
+        except FileNotFoundError:
+            pass
+
+    def open(self, name: str, flags: int, mode: int = 0o600) -> int:
+        return os.open(name, flags | _NOFOLLOW, mode, dir_fd=self.fd)
+
+    def open_own(self, name: str) -> int | None:
+        """Open an existing regular file this user owns alone for reading, else None (nothing is followed)."""
+        try:
+            fd = self.open(name, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError as error:
+            if error.errno in (errno.ENOENT, errno.ELOOP):
+                return None
+            raise
+        if not _own_regular(os.fstat(fd)):
+            os.close(fd)
+            return None
+        return fd
+
+    def replace(self, source: str, target: str) -> None:
+        os.replace(source, target, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+
+    def sync(self) -> None:
+        os.fsync(self.fd)
+
+    def remove_foreign(self, name: str) -> None:
+        """Delete ``name`` when it is anything but a regular file of ours with one link (a planted entry)."""
+        found = self.lstat(name)
+        if found is not None and not _own_regular(found):
+            self.unlink(name)
+
+
+def _own_regular(found: os.stat_result) -> bool:
+    return stat.S_ISREG(found.st_mode) and found.st_nlink == 1 and found.st_uid == os.geteuid()
+
+
+def open_folder(path: str) -> int:
+    """Open the download folder; refuse one that others can write to or a link someone else planted."""
+    euid = os.geteuid()
+    try:
+        found = os.lstat(path)
+    except FileNotFoundError:
+        raise DownloadError(f"The folder {path} does not exist: create it before downloading into it.") from None
+    target = path
+    if stat.S_ISLNK(found.st_mode):
+        if found.st_uid not in (0, euid):
+            raise DownloadError(
+                f"The folder {path} is a link owned by {_user(found.st_uid)}, not by root: another account could "
+                f"point it anywhere. Remove the link and let the role create the folder, or recreate the link as root."
+            )
+        target = os.path.realpath(path)
+    try:
+        fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
+    except OSError as error:
+        raise DownloadError(f"Cannot open the folder {path}: {error.strerror}.") from None
+    opened = os.fstat(fd)
+    if opened.st_uid not in (0, euid) or opened.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        os.close(fd)
+        raise DownloadError(
+            f"The folder {path} can be changed by others (owner {_user(opened.st_uid)}, mode "
+            f"{stat.S_IMODE(opened.st_mode):04o}), who could plant links the download would write through. "
+            f"Make it owned by root and not writable by group or others (the gguf_model role does this)."
+        )
+    return fd
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+# -- one writer per file ---------------------------------------------------------------------------
+
+
+class FileLock:
+    """``flock`` on ``<name>.lock`` beside the file: a second download of the same file waits its turn.
+
+    The holder deletes the lock file before releasing it; a waiter that then gets the lock of a deleted
+    file notices (the name no longer points at its inode) and takes the new one.
+    """
+
+    def __init__(self, folder: Folder, name: str) -> None:
+        self.folder, self.name, self.fd, self.waited = folder, name, -1, 0.0
+
+    def __enter__(self) -> FileLock:
+        started = time.monotonic()
+        while True:
+            self.folder.remove_foreign(self.name)  # a link or someone else's file: never ours to lock
+            try:
+                fd = self.folder.open(self.name, os.O_RDWR | os.O_CREAT)
+            except OSError as error:
+                if error.errno == errno.ELOOP:  # a link appeared after the check: remove it, try again
+                    continue
+                raise DownloadError(f"Cannot create the lock {self.folder.join(self.name)}: {error.strerror}.") from None
+            if not _own_regular(os.fstat(fd)):
+                os.close(fd)
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            current = self.folder.lstat(self.name)
+            if current is not None and current.st_ino == os.fstat(fd).st_ino:
+                self.fd, self.waited = fd, time.monotonic() - started
+                return self
+            os.close(fd)  # the previous holder removed this lock file meanwhile
+
+    def __exit__(self, *exc: object) -> None:
+        self.folder.unlink(self.name)
+        os.close(self.fd)
+
+
+# -- what is on disk -------------------------------------------------------------------------------
+
+
 def hash_file(path: str, digest: Any | None = None) -> Any:
     """Feed a local file into ``digest`` (a fresh SHA-256 by default) and return it."""
     digest = digest if digest is not None else hashlib.sha256()
-    with open(path, "rb") as source:
-        while chunk := source.read(CHUNK):
-            digest.update(chunk)
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    try:
+        return _hash_fd(fd, digest)
+    finally:
+        os.close(fd)
+
+
+def _hash_fd(fd: int, digest: Any, offset: int = 0) -> Any:
+    while chunk := os.pread(fd, CHUNK, offset):
+        digest.update(chunk)
+        offset += len(chunk)
     return digest
 
 
-def is_verified(dest: str, sha256: str) -> bool:
-    """True when the marker vouches for ``dest`` as it is now: same hash, size and mtime.
-
-    Trusting size+mtime avoids rereading a model on every run; anything that rewrites the file
-    changes its mtime and sends it back through a full hash.
-    """
-    try:
-        stat = os.stat(dest)
-        with open(marker_path(dest), encoding="utf-8") as handle:
-            marker = json.load(handle)
-    except (OSError, ValueError):
-        return False
-    return marker == {
+def _marker_for(found: os.stat_result, sha256: str) -> dict[str, Any]:
+    """What a marker records: replacing the file (new inode or owner) or rewriting it (mtime) voids it."""
+    return {
         "sha256": sha256,
-        "size": stat.st_size,
-        "mtime_ns": stat.st_mtime_ns,
+        "size": found.st_size,
+        "mtime_ns": found.st_mtime_ns,
+        "inode": found.st_ino,
+        "uid": found.st_uid,
     }
 
 
+def _is_verified(folder: Folder, name: str, sha256: str) -> bool:
+    found = folder.lstat(name)
+    if found is None or not stat.S_ISREG(found.st_mode) or found.st_nlink != 1:
+        return False
+    fd = folder.open_own(name + ".verified")  # a marker someone else wrote vouches for nothing
+    if fd is None:
+        return False
+    try:
+        with os.fdopen(fd, encoding="utf-8") as handle:
+            marker = json.load(handle)
+    except (OSError, ValueError):
+        return False
+    return marker == _marker_for(found, sha256)
+
+
+def is_verified(dest: str, sha256: str) -> bool:
+    """True when the marker vouches for ``dest`` as it is now: same hash, size, mtime, inode and owner.
+
+    Trusting these avoids rereading a model on every run; anything that rewrites or replaces the file
+    changes one of them and sends it back through a full hash.
+    """
+    try:
+        with Folder(os.path.dirname(dest) or ".") as folder:
+            return _is_verified(folder, os.path.basename(dest), sha256)
+    except DownloadError:
+        return False
+
+
+def _write_marker(folder: Folder, name: str, sha256: str) -> None:
+    found = folder.lstat(name)
+    assert found is not None
+    marker, temporary = name + ".verified", name + ".verified.tmp"
+    folder.unlink(temporary)
+    fd = folder.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, NEW_FILE_MODE)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        json.dump(_marker_for(found, sha256), handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    folder.replace(temporary, marker)
+
+
 def write_marker(dest: str, sha256: str) -> None:
-    stat = os.stat(dest)
-    marker = {"sha256": sha256, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-    temporary = marker_path(dest) + ".tmp"
-    with open(temporary, "w", encoding="utf-8") as handle:
-        json.dump(marker, handle)
-    os.replace(temporary, marker_path(dest))
+    with Folder(os.path.dirname(dest) or ".") as folder:
+        _write_marker(folder, os.path.basename(dest), sha256)
 
 
 def free_bytes(folder: str) -> int:
     """Bytes an unprivileged writer may still use in ``folder`` (the boundary tests replace)."""
-    stat = os.statvfs(folder)
-    return stat.f_bavail * stat.f_frsize
+    found = os.statvfs(folder)
+    return found.f_bavail * found.f_frsize
 
 
 def check_space(folder: str, size: int, have: int) -> None:
@@ -196,20 +425,30 @@ def check_space(folder: str, size: int, have: int) -> None:
         )
 
 
+# -- HTTP ------------------------------------------------------------------------------------------
+
+
 def _origin(url: str) -> tuple[str, str]:
     parts = urllib.parse.urlsplit(url)
     return parts.scheme, parts.netloc.lower()
 
 
+def token_allowed(url: str, token_hosts: list[str] | tuple[str, ...]) -> bool:
+    """The token goes only over HTTPS, and only to a host it was meant for."""
+    parts = urllib.parse.urlsplit(url)
+    allowed = {host.lower().rstrip(".") for host in token_hosts}
+    return parts.scheme == "https" and (parts.hostname or "").rstrip(".") in allowed
+
+
 class _ScopedAuthRedirect(urllib.request.HTTPRedirectHandler):
-    """Follow redirects, keep the method, and drop Authorization when the host changes."""
+    """Follow redirects, keep the method, and drop Authorization when the scheme or host changes."""
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
         new = super().redirect_request(req, fp, code, msg, headers, newurl)
         if new is None:
             return None
         new.method = req.get_method()  # the stdlib turns a redirected HEAD into a GET
-        if _origin(new.full_url) != _origin(req.full_url):
+        if _origin(new.full_url) != _origin(req.full_url) or _origin(new.full_url)[0] != "https":
             new.remove_header("Authorization")
         return new
 
@@ -226,7 +465,9 @@ def request(url: str, headers: dict[str, str], timeout: float, method: str = "GE
         if error.code == 416:
             raise RangeNotSatisfiable(f"{_redact(url)} cannot resume at {headers.get('Range')}") from None
         hint = {
-            401: "the server wants a token: set token (gguf_model_hf_token in the role)",
+            401: "the server wants a token: set token (gguf_model_hf_token in the role); it is sent only over "
+                 "https and only to token_hosts (huggingface.co, or the models mirror when the fleet sets "
+                 "mirror.models_token)",
             403: "the token has no access: accept the model's licence or use another token",
             404: "no such file: check the url",
         }.get(error.code, "check the url and the server")
@@ -272,40 +513,86 @@ def _pump(response: HTTPResponse, out: Any, digest: Any) -> int:
     return total
 
 
-def _interrupted(part: str, reason: object) -> DownloadError:
-    kept = os.path.getsize(part) if os.path.exists(part) else 0
+# -- the download ----------------------------------------------------------------------------------
+
+
+def _part_size(folder: Folder, part: str) -> int:
+    """Bytes of a partial download to resume; 0 when there is none or it is not ours to trust."""
+    found = folder.lstat(part)
+    return found.st_size if found is not None and _own_regular(found) else 0
+
+
+class _Part:
+    """The open partial file; created only once the server's answer says what to write."""
+
+    def __init__(self, folder: Folder, name: str) -> None:
+        self.folder, self.name, self.fd = folder, name, -1
+
+    def open(self, resume: bool) -> int:
+        """Our own earlier partial file to append to, or a new one created without following anything."""
+        if self.fd < 0:
+            if resume:
+                existing = self.folder.open_own(self.name)
+                if existing is not None:
+                    os.close(existing)
+                    self.fd = self.folder.open(self.name, os.O_RDWR)
+                    return self.fd
+            self.folder.unlink(self.name)  # a planted link or someone else's file is replaced, never written through
+            self.fd = self.folder.open(self.name, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        return self.fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _interrupted(folder: Folder, part: str, reason: object) -> DownloadError:
+    kept = _part_size(folder, part)
     return DownloadError(
-        f"Transfer interrupted ({reason}); {kept} bytes are kept in {part}: a rerun resumes from byte {kept}."
+        f"Transfer interrupted ({reason}); {kept} bytes are kept in {folder.join(part)}: a rerun resumes from "
+        f"byte {kept}."
     )
 
 
-def download(url: str, dest: str, headers: dict[str, str], timeout: float, size: int | None) -> Transfer:
-    """Fetch ``url`` into ``<dest>.part``, resuming what is there; return the hash of the whole part.
+def download(url: str, folder: Folder, name: str, headers: dict[str, str], timeout: float,
+             size: int | None) -> tuple[Transfer, int]:
+    """Fetch ``url`` into ``<name>.part``, resuming what is there; return the hash of the whole part and its fd.
 
     The partial bytes are hashed from local disk first, then the stream continues the same digest,
-    so every byte is read once.
+    so every byte is read once. The caller closes the returned descriptor.
     """
-    part = part_path(dest)
-    have = os.path.getsize(part) if os.path.isfile(part) else 0
+    part = _Part(folder, part_path(name))
+    try:
+        transfer = _transfer(url, part, headers, timeout, size)
+    except RangeNotSatisfiable:
+        part.close()
+        folder.unlink(part.name)  # the server's file is shorter than our part: it changed, start over
+        return download(url, folder, name, headers, timeout, size)
+    except BaseException:
+        part.close()
+        raise
+    return transfer, part.fd
+
+
+def _transfer(url: str, part: _Part, headers: dict[str, str], timeout: float, size: int | None) -> Transfer:
+    folder = part.folder
+    have = _part_size(folder, part.name)
     if size is not None and have > size:  # longer than the file: not a prefix of it
-        os.remove(part)
         have = 0
     digest = hashlib.sha256()
     if have:
-        hash_file(part, digest)
+        _hash_fd(part.open(resume=True), digest)
     if have and have == size:  # a previous run got every byte but stopped before verifying
         return Transfer(digest.hexdigest(), have, 0, have)
-    try:
-        response = request(url, dict(headers, Range=f"bytes={have}-") if have else headers, timeout)
-    except RangeNotSatisfiable:
-        os.remove(part)  # the server's file is shorter than our part: it changed, start over
-        return download(url, dest, headers, timeout, size)
+    response = request(url, dict(headers, Range=f"bytes={have}-") if have else headers, timeout)
     with response:
         if response.status == 206:
             start = _range_start(response.headers.get("Content-Range", ""))
             if start != have:
                 raise DownloadError(
-                    f"The server resumed at byte {start} instead of {have}: delete {part} and rerun."
+                    f"The server resumed at byte {start} instead of {have}: delete {folder.join(part.name)} and "
+                    f"rerun."
                 )
         else:  # 200: the server ignored the range, so the body is the whole file
             have, digest = 0, hashlib.sha256()
@@ -315,13 +602,19 @@ def download(url: str, dest: str, headers: dict[str, str], timeout: float, size:
             raise DownloadError(
                 f"The server's file is {expected} bytes but size says {size}: correct size (or the url)."
             )
+        fd = part.open(resume=have > 0)
+        os.ftruncate(fd, have)
+        out = os.fdopen(fd, "r+b", closefd=False)
         try:
-            with open(part, "ab" if have else "wb") as out:
-                received = _pump(response, out, digest)
+            out.seek(have)
+            received = _pump(response, out, digest)
+            out.flush()
         except (OSError, HTTPException) as error:
-            raise _interrupted(part, error) from None
+            raise _interrupted(folder, part.name, error) from None
+        finally:
+            out.close()
     if expected is not None and have + received < expected:
-        raise _interrupted(part, f"connection closed after {have + received} of {expected} bytes")
+        raise _interrupted(folder, part.name, f"connection closed after {have + received} of {expected} bytes")
     return Transfer(digest.hexdigest(), have + received, received, have)
 
 
@@ -332,58 +625,58 @@ def _range_start(content_range: str) -> int | None:
     return int(start) if unit == "bytes" and start.isdigit() else None
 
 
-def _durable_replace(part: str, dest: str) -> None:
-    """Put the verified file in place so that a crash leaves either the old or the new file."""
-    handle = os.open(part, os.O_RDONLY)
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)
-    os.replace(part, dest)
-    folder = os.open(os.path.dirname(dest) or ".", os.O_RDONLY)
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
+def _apply(fd: int, wanted: Attributes, check_mode: bool = False) -> bool:
+    """Give the open file its owner, group and mode; True when something changed (or would)."""
+    found = os.fstat(fd)
+    uid = -1 if wanted.uid is None or wanted.uid == found.st_uid else wanted.uid
+    gid = -1 if wanted.gid is None or wanted.gid == found.st_gid else wanted.gid
+    mode = None if wanted.mode is None or wanted.mode == stat.S_IMODE(found.st_mode) else wanted.mode
+    if (uid, gid, mode) == (-1, -1, None):
+        return False
+    if not check_mode:
+        if (uid, gid) != (-1, -1):
+            os.fchown(fd, uid, gid)
+        os.fchmod(fd, wanted.mode if wanted.mode is not None else stat.S_IMODE(found.st_mode))
+    return True
 
 
 def request_headers(params: dict[str, Any]) -> dict[str, str]:
     headers = {"User-Agent": "gguf_download"}
     headers.update({str(key): str(value) for key, value in (params.get("headers") or {}).items()})
-    if params.get("token"):
+    if params.get("token") and token_allowed(params["url"], params.get("token_hosts") or DEFAULT_TOKEN_HOSTS):
         headers["Authorization"] = f"Bearer {params['token']}"
     return headers
 
 
-def fetch(params: dict[str, Any], check_mode: bool) -> dict[str, Any]:
+def fetch(params: dict[str, Any], folder: Folder, name: str, wanted: Attributes,
+          check_mode: bool) -> dict[str, Any]:
     """Download and install ``dest`` (or say that it would, in check mode)."""
-    url, dest, sha256, timeout = params["url"], params["dest"], params["sha256"].lower(), params["timeout"]
-    folder = os.path.dirname(dest) or "."
-    part = part_path(dest)
-    have = os.path.getsize(part) if os.path.isfile(part) else 0
-    if not os.path.isdir(folder):
-        if check_mode:
-            return {
-                "size": params.get("size"),
-                "msg": f"would download into {folder}, which does not exist yet",
-            }
-        raise DownloadError(f"The folder {folder} does not exist: create it before downloading into it.")
+    url, sha256, timeout = params["url"], params["sha256"].lower(), params["timeout"]
+    part = part_path(name)
+    have = _part_size(folder, part)
     headers = request_headers(params)
     size = params["size"] if params.get("size") is not None else remote_size(url, headers, timeout)
     if size is not None:
-        check_space(folder, size, have if have <= size else 0)
+        check_space(folder.path, size, have if have <= size else 0)
     if check_mode:
         return {"size": size, "resumed_from": have, "msg": f"would download {_redact(url)}"}
-    transfer = download(url, dest, headers, timeout, size)
-    if transfer.sha256 != sha256:
-        os.remove(part)
-        raise DownloadError(
-            f"Checksum mismatch for {_redact(url)}: expected sha256 {sha256}, got {transfer.sha256} "
-            f"({transfer.size} bytes). The download was deleted and {dest} left as it was: check the "
-            f"sha256 and url of this file (a rerun downloads it from scratch)."
-        )
-    _durable_replace(part, dest)
-    write_marker(dest, sha256)
+    transfer, fd = download(url, folder, name, headers, timeout, size)
+    try:
+        if transfer.sha256 != sha256:
+            folder.unlink(part)
+            raise DownloadError(
+                f"Checksum mismatch for {_redact(url)}: expected sha256 {sha256}, got {transfer.sha256} "
+                f"({transfer.size} bytes). The download was deleted and {folder.join(name)} left as it was: check "
+                f"the sha256 and url of this file (a rerun downloads it from scratch)."
+            )
+        # The file gets its owner and mode before it appears under its final name.
+        _apply(fd, wanted._replace(mode=NEW_FILE_MODE if wanted.mode is None else wanted.mode))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    folder.replace(part, name)  # atomic: a crash leaves either the old or the new file
+    folder.sync()
+    _write_marker(folder, name, sha256)
     return {
         "size": transfer.size,
         "bytes_transferred": transfer.transferred,
@@ -393,23 +686,88 @@ def fetch(params: dict[str, Any], check_mode: bool) -> dict[str, Any]:
     }
 
 
+def _present(folder: Folder, name: str, sha256: str, wanted: Attributes, check_mode: bool,
+             result: dict[str, Any]) -> bool:
+    """Settle a file already at the final name; False when it has to be downloaded."""
+    taken_over = False
+    if _is_verified(folder, name, sha256):
+        result["msg"] = "verified earlier (marker matches); not reread"
+    else:
+        found = folder.lstat(name)
+        # A link or a hard-linked file is never hashed, chowned or trusted: the download replaces the name.
+        if found is None or not stat.S_ISREG(found.st_mode) or found.st_nlink != 1:
+            return False
+        fd = folder.open(name, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            # Own it first, so nobody else can still change what is hashed next.
+            if not check_mode and found.st_uid != os.geteuid():
+                taken_over = _apply(fd, Attributes(os.geteuid() if wanted.uid is None else wanted.uid, wanted.gid,
+                                                   wanted.mode))
+            if _hash_fd(fd, hashlib.sha256()).hexdigest() != sha256:
+                return False
+        finally:
+            os.close(fd)
+        if not check_mode:
+            _write_marker(folder, name, sha256)
+        result["msg"] = "present with the expected sha256"
+    fd = folder.open(name, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        changed = _apply(fd, wanted, check_mode)
+    finally:
+        os.close(fd)
+    if changed and not check_mode:
+        _write_marker(folder, name, sha256)  # a new owner voids the marker; vouch for the file as it is now
+    found = folder.lstat(name)
+    result.update(changed=changed or taken_over, size=found.st_size if found else 0)
+    return True
+
+
+def wanted_attributes(params: dict[str, Any]) -> Attributes:
+    """Owner, group and mode from the module's options, as numbers."""
+    uid = gid = mode = None
+    try:
+        if params.get("owner") not in (None, ""):
+            owner = str(params["owner"])
+            uid = int(owner) if owner.isdigit() else pwd.getpwnam(owner).pw_uid
+        if params.get("group") not in (None, ""):
+            group = str(params["group"])
+            gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError as error:
+        raise DownloadError(f"No such user or group on this box: {error.args[0]}; create it first.") from None
+    if params.get("mode") not in (None, ""):
+        raw = params["mode"]
+        try:
+            mode = raw if isinstance(raw, int) else int(str(raw), 8)
+        except ValueError:
+            raise DownloadError(f"mode must be octal such as '0640', got {raw!r}.") from None
+        if mode & (stat.S_ISUID | stat.S_ISGID) or not 0 <= mode <= 0o7777:
+            raise DownloadError(f"mode {raw!r} is refused: give plain permissions such as '0640'.")
+    return Attributes(uid, gid, mode)
+
+
 def ensure(params: dict[str, Any], check_mode: bool = False) -> dict[str, Any]:
     """Make ``dest`` hold the file with ``sha256``; the whole module short of Ansible's plumbing."""
     started = time.monotonic()
     dest, sha256 = params["dest"], params["sha256"].lower()
     if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
         raise DownloadError(f"sha256 must be 64 hex digits, got {params['sha256']!r}.")
-    result: dict[str, Any] = {"dest": dest, "sha256": sha256, "bytes_transferred": 0, "resumed_from": 0}
-    if is_verified(dest, sha256):
-        result.update(
-            changed=False, size=os.path.getsize(dest), msg="verified earlier (marker matches); not reread"
-        )
-    elif os.path.isfile(dest) and hash_file(dest).hexdigest() == sha256:
-        if not check_mode:
-            write_marker(dest, sha256)
-        result.update(changed=False, size=os.path.getsize(dest), msg="present with the expected sha256")
+    wanted = wanted_attributes(params)
+    result: dict[str, Any] = {"dest": dest, "sha256": sha256, "bytes_transferred": 0, "resumed_from": 0,
+                              "waited": 0.0}
+    folder_path, name = os.path.dirname(dest) or ".", os.path.basename(dest)
+    if not os.path.lexists(folder_path) and check_mode:
+        result.update(changed=True, size=params.get("size"),
+                      msg=f"would download into {folder_path}, which does not exist yet")
     else:
-        result.update(fetch(params, check_mode), changed=True)
+        with Folder(folder_path) as folder:
+            if check_mode:  # takes no lock: it writes nothing
+                if not _present(folder, name, sha256, wanted, True, result):
+                    result.update(fetch(params, folder, name, wanted, True), changed=True)
+            else:
+                with FileLock(folder, lock_path(name)) as lock:
+                    result["waited"] = round(lock.waited, 3)
+                    if not _present(folder, name, sha256, wanted, False, result):
+                        result.update(fetch(params, folder, name, wanted, False), changed=True)
     result["elapsed"] = round(time.monotonic() - started, 3)
     return result
 
@@ -422,19 +780,21 @@ def main() -> None:
             "sha256": {"type": "str", "required": True},
             "size": {"type": "int"},
             "token": {"type": "str", "no_log": True},
+            "token_hosts": {"type": "list", "elements": "str", "default": list(DEFAULT_TOKEN_HOSTS)},
             "headers": {"type": "dict", "default": {}},
             "timeout": {"type": "int", "default": 60},
+            "owner": {"type": "str"},
+            "group": {"type": "str"},
+            "mode": {"type": "raw"},
         },
-        add_file_common_args=True,
         supports_check_mode=True,
     )
     try:
         result = ensure(module.params, module.check_mode)
     except DownloadError as error:
         module.fail_json(msg=str(error), dest=module.params["dest"])
-    if os.path.exists(module.params["dest"]):
-        file_args = module.load_file_common_arguments(module.params)
-        result["changed"] = module.set_fs_attributes_if_different(file_args, result["changed"])
+    except OSError as error:
+        module.fail_json(msg=f"{module.params['dest']}: {error.strerror or error}", dest=module.params["dest"])
     module.exit_json(**result)
 
 

@@ -10,6 +10,9 @@ description:
     (Anthropic API) on a llama-server, in one module run, and reports what each answered.
   - Fails when the server is unhealthy, does not list I(model) among its ids, or either API does not
     answer with a reply.
+  - With I(api_key) set, also sends one chat request without a key and one with a wrong key, and fails
+    unless the server refuses both with HTTP 401. The chat endpoints are probed because ik_llama.cpp
+    leaves C(/health) and C(/v1/models) open even with a key.
   - Read-only for the host; chat requests only generate a few tokens.
 options:
   base_url:
@@ -21,7 +24,9 @@ options:
     type: str
     required: true
   api_key:
-    description: Key sent as C(Authorization: Bearer) and C(x-api-key) when the server requires one.
+    description:
+      - Key sent as C(Authorization: Bearer) and C(x-api-key) when the server requires one.
+      - When set, requests without it and with a wrong key must be refused with HTTP 401.
     type: str
     default: ""
   prompt:
@@ -65,9 +70,17 @@ anthropic:
   description: C(type), C(output_tokens), C(stop_reason) and the start of C(text) of the Anthropic reply.
   type: dict
   returned: when the server is healthy
+auth:
+  description:
+    - C(required) (whether a key was set) and, when it was, C(anonymous_status) and C(wrong_key_status),
+      the HTTP statuses of a chat request without the key and with a wrong one (both must be 401).
+  type: dict
+  returned: when the server is healthy
+  sample: {required: true, anonymous_status: 401, wrong_key_status: 401}
 """
 
 import json
+import secrets
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.six.moves.urllib.error import HTTPError, URLError
@@ -90,6 +103,38 @@ def call(base_url, path, headers, timeout, body=None):
         raise RuntimeError(f"{path}: {getattr(exc, 'reason', exc)}") from None
     except ValueError:
         raise RuntimeError(f"{path} did not answer JSON") from None
+
+
+def status(base_url, path, headers, timeout, body):
+    """The HTTP status a POST answers with (the body is not read)."""
+    try:
+        response = open_url(base_url.rstrip("/") + path, data=json.dumps(body).encode(), method="POST",
+                            headers=dict(headers, **{"Content-Type": "application/json"}), timeout=timeout)
+        return response.getcode()
+    except HTTPError as exc:
+        return exc.code
+    except (URLError, OSError) as exc:
+        raise RuntimeError(f"{path}: {getattr(exc, 'reason', exc)}") from None
+
+
+def check_auth(base_url, model, api_key, timeout):
+    """Without a key and with a wrong one, a server that has a key must answer 401; returns (auth, problems)."""
+    if not api_key:
+        return {"required": False}, []
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    wrong = "wrong-" + secrets.token_hex(8)
+    auth = {
+        "required": True,
+        "anonymous_status": status(base_url, "/v1/chat/completions", {}, timeout, body),
+        "wrong_key_status": status(base_url, "/v1/chat/completions",
+                                   {"Authorization": "Bearer " + wrong, "x-api-key": wrong}, timeout, body),
+    }
+    problems = []
+    for field, how in (("anonymous_status", "without a key"), ("wrong_key_status", "with a wrong key")):
+        if auth[field] != 401:
+            problems.append(f"/v1/chat/completions answered HTTP {auth[field]} {how}, not 401: the server does not "
+                            f"check its API key")
+    return auth, problems
 
 
 def check(base_url, model, api_key, prompt, max_tokens, timeout):
@@ -124,7 +169,8 @@ def check(base_url, model, api_key, prompt, max_tokens, timeout):
     }
     if result["anthropic"]["type"] != "message":
         problems.append(f"the Anthropic API answered {result['anthropic']['type']!r}, not a message")
-    return result, problems
+    result["auth"], auth_problems = check_auth(base_url, model, api_key, timeout)
+    return result, problems + auth_problems
 
 
 def main():

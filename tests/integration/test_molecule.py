@@ -2,7 +2,9 @@
 
 Scenarios read their inputs from the environment, which this test sets:
 V100BOX_LAB_URL (the lab site: engine pack, SHA256SUMS, tiny model, a source tarball),
-V100BOX_TOKEN_URL and V100BOX_LAB_TOKEN (the same site behind a bearer token),
+V100BOX_PACK_SHA256 (the engine pack's sha256, pinned because V100BOX_LAB_URL is plain HTTP),
+V100BOX_TOKEN_URL and V100BOX_LAB_TOKEN (the site over HTTPS behind a bearer token) with V100BOX_LAB_CA (its
+throwaway certificate, which a prepare playbook copies into the target),
 V100BOX_MODEL_SHA256 / V100BOX_MODEL_SIZE, V100BOX_SOURCE_SHA256, V100BOX_TEST_PORT,
 V100BOX_APT_URL (the stand-in NVIDIA driver repository, `python -m controller.lab.aptrepo build DIR`) and
 V100BOX_TARGET_IMAGE. To run one by hand, serve a site with `python -m controller.lab.fileserver` and export
@@ -24,7 +26,7 @@ import yaml
 
 from controller.lab import aptrepo
 from controller.lab.fileserver import FileServer
-from controller.lab.site import sha256_file
+from controller.lab.site import PACK_NAME, sha256_file
 
 pytestmark = [pytest.mark.podman, pytest.mark.engine, pytest.mark.slow]
 
@@ -84,12 +86,14 @@ def scenario_env(lab_site, target_image):
     source = _source_tarball(root / "src" / "tiny-llama-source.tar.gz")
     model = yaml.safe_load(catalog.read_text())["models"]["tiny-llama"]
     apt_root = aptrepo.build()
-    with (FileServer(root) as open_server, FileServer(root, token=TOKEN) as token_server,
+    with (FileServer(root) as open_server, FileServer(root, token=TOKEN, tls=True) as token_server,
           FileServer(apt_root) as apt_server):
         yield {
             **os.environ,
             "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
             "V100BOX_LAB_URL": open_server.url,
+            "V100BOX_LAB_CA": str(token_server.ca_file),
+            "V100BOX_PACK_SHA256": sha256_file(root / "engines" / PACK_NAME),
             "V100BOX_TOKEN_URL": token_server.url,
             "V100BOX_LAB_TOKEN": TOKEN,
             "V100BOX_MODEL_SHA256": model["sha256"],

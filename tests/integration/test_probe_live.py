@@ -3,24 +3,29 @@
 The container has no GPU, so a stand-in nvidia-smi (controller.lab.standin_smi, test harness only)
 prints a fixture machine's captured outputs; everything else (SSH, the probe script, /proc, df,
 os-release, the parsers, the CLI) is the real thing. Also: the provisioning refusal for a driver
-outside R570-R580, and the probe's speed (under 3 s).
+outside R570-R580, the probe's speed (under 3 s), and SSH host keys: recorded on first contact (or
+taken from the fleet file), then a changed key refused by the probe and by Ansible.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 from functools import partial
 from pathlib import Path
 
 import pytest
 import yaml
 
+from controller.errors import TransportError
 from controller.fleet import load_fleet
 from controller.lab import standin_smi
 from controller.lab.target import Target
 from controller.probe import parse_outputs
 from controller.probe.collect import probe_box
+from controller.runner import run_playbook
+from controller.transports.known_hosts import parse_public_key
 from tests.cli import run_controller
 
 pytestmark = pytest.mark.podman
@@ -130,3 +135,91 @@ def test_a_real_r535_capture_is_refused_naming_the_driver(systemd_target: Target
     assert done.returncode == PLAN_EXIT, done.stderr
     assert "driver 535.104.05 (R535) is older than R570" in done.stderr
     assert "install an R580 driver with the proprietary kernel modules" in done.stderr
+
+
+HOST_KEY_PLAY = """\
+- name: Reach the box over SSH
+  hosts: all
+  gather_facts: false
+  tasks:
+    - name: Run a command on the box
+      ansible.builtin.command: "true"
+      changed_when: false
+"""
+
+
+def ansible_inventory(folder: Path, target: Target, name: str) -> Path:
+    """What render writes for the box, plus inventory vars that try to switch host-key checking off."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "hosts.yml").write_text(yaml.safe_dump({"all": {"hosts": {name: {
+        "ansible_host": target.host, "ansible_port": target.ssh_port, "ansible_user": "root",
+        "ansible_ssh_private_key_file": str(target.key), "ansible_python_interpreter": "/usr/bin/python3",
+        "ansible_ssh_common_args": "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null"}}}}))
+    (folder / "play.yml").write_text(HOST_KEY_PLAY)
+    return folder / "play.yml"
+
+
+def test_first_contact_records_the_host_key_and_a_changed_key_is_refused(
+        target_factory, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    box_target = target_factory()
+    port = box_target.ssh_port
+    fleet = tmp_path / "fleet.yml"
+    fleet.write_text(yaml.safe_dump({"boxes": {"lab2": {
+        "address": box_target.host, "port": port, "user": "root", "key": str(box_target.key)}}}))
+    inventory = tmp_path / "inventory"
+    known = inventory / "known_hosts"
+    box = load_fleet(fleet).box("lab2")
+    first = parse_public_key(box_target.host_public_key(), "lab2")
+
+    probe_box(box, known_hosts=known)  # trust on first use, said out loud
+    assert f"lab2: new host key ssh-ed25519 {first.fingerprint} recorded in {known}" in capfd.readouterr().err
+    assert known.read_text() == f"[127.0.0.1]:{port} {box_target.host_public_key()}\n"
+    probe_box(box, known_hosts=known)
+    assert "new host key" not in capfd.readouterr().err
+    play = ansible_inventory(inventory, box_target, "lab2")
+    assert run_playbook(str(play), inventory=inventory).status == "successful"  # Ansible reads the same file
+
+    second = parse_public_key(box_target.new_host_key(), "lab2")
+    with pytest.raises(TransportError) as probe_refused:
+        probe_box(box, known_hosts=known)
+    message = str(probe_refused.value)
+    assert f"box lab2 (127.0.0.1:{port}): host key refused: the box presents ssh-ed25519 {second.fingerprint}, " \
+           f"not the ssh-ed25519 {first.fingerprint} recorded in {known} line 1" in message
+    assert message.endswith(f"accept its new key with: ssh-keygen -R '[127.0.0.1]:{port}' -f {known}")
+    assert known.read_text() == f"[127.0.0.1]:{port} ssh-ed25519 {first.get_base64()}\n"  # unchanged
+
+    with pytest.raises(TransportError) as ansible_refused:
+        run_playbook(str(play), inventory=inventory)
+    message = str(ansible_refused.value)
+    assert message.startswith(f"box lab2: host key refused by Ansible: the box presents ed25519 {second.fingerprint}")
+    assert f"ssh-keygen -R '[127.0.0.1]:{port}' -f {known}" in message and "\n" not in message
+
+    done = controller("driver", "lab2", "--fleet", str(fleet), "--inventory", str(inventory))
+    assert done.returncode == 3 and "Traceback" not in done.stderr
+    assert f"box lab2 (127.0.0.1:{port}): host key refused" in done.stderr
+
+    # The box was reinstalled, say: the suggested command accepts its new key on the next contact.
+    subprocess.run(["ssh-keygen", "-R", f"[127.0.0.1]:{port}", "-f", str(known)], check=True, capture_output=True)
+    probe_box(box, known_hosts=known)
+    assert f"new host key ssh-ed25519 {second.fingerprint}" in capfd.readouterr().err
+    assert run_playbook(str(play), inventory=inventory).status == "successful"
+
+
+def test_a_host_key_given_in_the_fleet_is_the_only_one_accepted(systemd_target: Target, tmp_path: Path) -> None:
+    real = systemd_target.host_public_key()
+    other = tmp_path / "other"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+    wrong = " ".join(other.with_suffix(".pub").read_text().split()[:2])
+    address = {"address": systemd_target.host, "port": systemd_target.ssh_port, "user": "root",
+               "key": str(systemd_target.key)}
+    fleet = tmp_path / "fleet.yml"
+    fleet.write_text(yaml.safe_dump({"boxes": {"good": {**address, "host_key": real},
+                                               "bad": {**address, "host_key": wrong}}}))
+    inventory = tmp_path / "inventory"
+    known = inventory / "known_hosts"
+    with pytest.raises(TransportError, match="host key refused: the box presents .* but host_key in the fleet file"):
+        probe_box(load_fleet(fleet).box("bad"), known_hosts=known)
+    probe_box(load_fleet(fleet).box("good"), known_hosts=known)
+    assert known.read_text() == f"[127.0.0.1]:{systemd_target.ssh_port} {real}\n"  # for Ansible too
+    play = ansible_inventory(inventory, systemd_target, "good")
+    assert run_playbook(str(play), inventory=inventory).status == "successful"

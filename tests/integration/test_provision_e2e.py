@@ -83,6 +83,11 @@ def test_provision_serves_both_apis_then_converges(fleet_file, systemd_target):
     # (the target shares the host's loopback).
     user = systemd_target.exec(f"systemctl show -p User --value {service['name']}.service").strip()
     assert user == "llama"
+    # The key reaches the server as a file (systemd credential): ps shows the path, never the key, and
+    # verification proved a request without it (or with a wrong one) is refused.
+    assert service["auth"] == {"required": True, "anonymous_status": 401, "wrong_key_status": 401}
+    command_line = systemd_target.exec("ps -o args= -C llama-server")
+    assert "--api-key-file" in command_line and API_KEY not in command_line
     base = service["endpoint"]
     headers = {"Authorization": f"Bearer {API_KEY}"}
     assert httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer wrong"}, timeout=10).status_code == 401

@@ -1,9 +1,12 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 from controller.errors import FleetError
 from controller.fleet import load_fleet
+from tests.cli import run_controller
+from tests.unit.clean_errors import assert_one_line_error
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -70,3 +73,24 @@ boxes:
     monkeypatch.setenv("TEST_API_KEY", "from-env")
     assert box.api_key.resolve("api key") == "from-env"
     assert box.hf_token.resolve("token") == "s3cret-from-file"
+
+
+def test_a_fleet_file_that_is_not_utf8_is_one_line_naming_it(tmp_path):
+    path = tmp_path / "fleet.yml"
+    path.write_bytes("boxes:\n  box3: {address: 192.0.2.10, user: jos\u00e9}\n".encode("latin-1"))
+    result = run_controller("render", "box3", "--fleet", str(path), timeout=60)
+    assert_one_line_error(result, 2, str(path), "not UTF-8", "save the fleet file as UTF-8")
+
+
+def test_an_error_quoting_brackets_prints_them_as_written(tmp_path):
+    path = write(tmp_path, "boxes:\n  Box3: {address: 192.0.2.10}\n")
+    result = run_controller("render", "Box3", "--fleet", str(path), timeout=60)
+    assert_one_line_error(result, 2, "'^[a-z0-9][a-z0-9_-]{0,62}$'")  # not eaten as console markup
+
+
+@pytest.mark.parametrize("model_id", ["../../etc/passwd", "a/b", "x\ny", "{{ lookup('pipe', 'id') }}"])
+def test_a_wanted_model_id_is_a_plain_name(tmp_path, model_id):
+    path = write(tmp_path, "")
+    path.write_text(yaml.safe_dump({"boxes": {"box3": {"address": "192.0.2.10", "models": [{"id": model_id}]}}}))
+    with pytest.raises(FleetError, match=r"box 'box3', field 'models\.0\.id'.*not a plain name"):
+        load_fleet(path)

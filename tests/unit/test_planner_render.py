@@ -28,7 +28,7 @@ def catalog(tmp_path):
 
 
 def fleet(tmp_path, **box):
-    data = {"boxes": {"box1": {"address": "127.0.0.1", "mirror": {"engines": "http://127.0.0.1:1/engines",
+    data = {"boxes": {"box1": {"address": "127.0.0.1", "mirror": {"engines": "https://127.0.0.1:1/engines",
                                                                   "models": "http://127.0.0.1:1"}, **box}}}
     return parse_fleet(data, tmp_path / "fleet.yml")
 
@@ -75,8 +75,8 @@ def test_no_models_wanted_is_an_error(tmp_path, catalog):
 
 def test_render_is_deterministic_and_holds_no_secrets(tmp_path, catalog, monkeypatch):
     monkeypatch.setenv("BOX_API_KEY", "sk-never-in-the-inventory-0123")
-    f = fleet(tmp_path, models=[{"id": "tiny"}], bind="0.0.0.0", api_key={"env": "BOX_API_KEY"},
-              key="/root/.ssh/id_ed25519", port=2222)
+    f = fleet(tmp_path, models=[{"id": "tiny"}], bind="0.0.0.0", allow_from=["192.168.1.0/24"],
+              api_key={"env": "BOX_API_KEY"}, key="/root/.ssh/id_ed25519", port=2222)
     box = f.box("box1")
     plan = plan_box(box, CPU_PROFILE, catalog)
     first = {p.name: p.read_bytes() for p in render_box(tmp_path / "inv", f, box, CPU_PROFILE, plan, catalog)}
@@ -87,8 +87,8 @@ def test_render_is_deterministic_and_holds_no_secrets(tmp_path, catalog, monkeyp
     host_vars = yaml.safe_load(first["box1.yml"])
     assert host_vars["llama_engine_packs"] == [{
         "name": "cpu", "version": "0c1e570",
-        "url": "http://127.0.0.1:1/engines/llama-cpu-0c1e570-linux-x86_64.tar.gz", "sha256": "",
-        "sha256sums_url": "http://127.0.0.1:1/engines/SHA256SUMS"}]
+        "url": "https://127.0.0.1:1/engines/llama-cpu-0c1e570-linux-x86_64.tar.gz", "sha256": "",
+        "sha256sums_url": "https://127.0.0.1:1/engines/SHA256SUMS"}]
     assert host_vars["gguf_model_files"][0]["url"] == "http://127.0.0.1:1/lab/r/resolve/main/t.gguf"
     assert host_vars["llama_service_bind"] == "0.0.0.0"
     hosts = yaml.safe_load(first["hosts.yml"])
@@ -158,20 +158,25 @@ def test_render_marks_an_offloading_service_for_mlock(tmp_path):
 
 def test_a_driver_mirror_carries_its_signing_key_or_an_explicit_trust(tmp_path):
     catalog = _pinned(tmp_path, "qwen3.6-27b-q4_k_m")
-    base = {"engines": "http://127.0.0.1:1/engines", "models": "http://127.0.0.1:1",
+    base = {"engines": "https://127.0.0.1:1/engines", "models": "http://127.0.0.1:1",
             "drivers": "http://mirror.lan/cuda/debian12/x86_64/"}
     with pytest.raises(FleetError, match=r"mirror\.drivers_key .*drivers_trusted: true"):
         fleet(tmp_path, mirror=base)
 
     for extra, key, trusted in ((
-            {"drivers_key": "http://mirror.lan/cuda/3bf863cc.pub"}, "http://mirror.lan/cuda/3bf863cc.pub", False),
+            {"drivers_key": "http://mirror.lan/cuda/3bf863cc.pub",
+             "drivers_key_fingerprint": "EB69 3B30 35CD 5710 E231  E123 A4B4 6996 3BF8 63CC"},
+            "http://mirror.lan/cuda/3bf863cc.pub", False),
             ({"drivers_trusted": True}, "", True)):
         f = fleet(tmp_path, mirror=base | extra, models=[{"id": "qwen3.6-27b-q4_k_m"}], driver={"manage": False})
         box = f.box("box1")
         hv = render_host_vars(box, plan_box(box, v100_profile(32768), catalog), catalog, v100_profile(32768))
         assert hv["nvidia_driver_repo_url"] == base["drivers"]
         assert (hv["nvidia_driver_repo_key_url"], hv["nvidia_driver_repo_trusted"]) == (key, trusted)
+        assert hv["nvidia_driver_repo_key_fingerprint"] == ("EB693B3035CD5710E231E123A4B469963BF863CC" if key else "")
         assert hv["nvidia_driver_manage"] is False
+    with pytest.raises(FleetError, match=r"mirror\.drivers_key .*pin it with mirror\.drivers_key_fingerprint"):
+        fleet(tmp_path, mirror=base | {"drivers_key": "http://mirror.lan/cuda/3bf863cc.pub"})
 
 
 def test_a_box_without_models_renders_only_the_driver_and_drops_an_old_plan(tmp_path):

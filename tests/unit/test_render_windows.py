@@ -30,7 +30,7 @@ def _catalog(tmp_path, *, pin_downloads=True):
 
 def _fleet(tmp_path, **box):
     body = {"address": "192.0.2.7", "os": "windows", "transport": "winrm",
-            "mirror": {"engines": "http://127.0.0.1:1/engines", "models": "http://127.0.0.1:1"}, **box}
+            "mirror": {"engines": "https://127.0.0.1:1/engines", "models": "http://127.0.0.1:1"}, **box}
     return parse_fleet({"boxes": {"win1": body}}, tmp_path / "fleet.yml")
 
 
@@ -53,7 +53,7 @@ def test_dual_card_windows_box_gets_nccl_pack_winsw_and_driver(tmp_path):
     assert instance["version"] == "02182fc" and instance["engine"] == "upstream-nccl"
     model = instance["args"][instance["args"].index("--model") + 1]
     assert model == "C:\\llama\\models\\" + catalog.model("qwen3.6-27b-q4_k_m").file
-    assert hv["win_llama_service_winsw"] == {"version": "2.12.0", "url": "http://127.0.0.1:1/engines/WinSW-x64.exe",
+    assert hv["win_llama_service_winsw"] == {"version": "2.12.0", "url": "https://127.0.0.1:1/engines/WinSW-x64.exe",
                                              "sha256": WINSW_SHA}
     assert hv["win_nvidia_driver_version"] == "573.96" and hv["win_nvidia_driver_sha256"] == DRIVER_SHA
     assert hv["win_nvidia_driver_url"].endswith("/573.96/573.96-data-center-tesla-desktop-win10-win11-64bit-dch-"
@@ -66,7 +66,7 @@ def test_dual_card_windows_box_gets_nccl_pack_winsw_and_driver(tmp_path):
 def test_templates_and_forward_slash_model_dirs_become_windows_paths(tmp_path):
     catalog = _catalog(tmp_path)
     fleet = _fleet(tmp_path, model_dir="D:/llm/models", models=[{"id": "gemma4-26b-a4b-qat-q4_0"}],
-                   mirror={"engines": "http://127.0.0.1:1/e", "models": "http://127.0.0.1:1", "drivers": "http://m/d"})
+                   mirror={"engines": "https://127.0.0.1:1/e", "models": "http://127.0.0.1:1", "drivers": "http://m/d"})
     _, hv = _render(tmp_path, fleet, SINGLE, catalog)
     (instance,) = hv["win_llama_service_instances"]
     args = instance["args"]
@@ -114,3 +114,13 @@ def test_network_model_dirs_are_refused(tmp_path, path):
 def test_relative_windows_model_dir_is_refused(tmp_path):
     with pytest.raises(FleetError, match="local drive path"):
         _fleet(tmp_path, model_dir="models")
+
+
+def test_an_exposed_windows_box_opens_its_firewall_only_to_the_fleets_networks(tmp_path):
+    catalog = _catalog(tmp_path)
+    fleet = _fleet(tmp_path, models=[{"id": "gemma4-26b-a4b-qat-q4_0"}], bind="0.0.0.0",
+                   allow_from=["192.168.1.0/24", "10.0.0.7"], api_key={"env": "WIN1_API_KEY"})
+    _, hv = _render(tmp_path, fleet, SINGLE, catalog)
+    assert hv["win_llama_service_bind"] == "0.0.0.0"
+    assert hv["win_llama_service_allow_from"] == ["192.168.1.0/24", "10.0.0.7/32"]
+    assert "win_llama_service_api_key" not in hv  # a secret: passed to Ansible at run time, never written here

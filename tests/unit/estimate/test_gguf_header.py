@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import struct
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,8 @@ from controller.errors import ControllerError
 from controller.estimate.gguf_header import GGUFHeaderError, read_header
 from controller.lab.fileserver import FileServer
 from controller.lab.tinymodels import write_model
+from tests.cli import run_controller
+from tests.unit.clean_errors import assert_one_line_error
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +167,43 @@ def test_server_without_range_support_is_read_as_a_stream_and_closed_early(tmp_p
     assert header.file_size == len(_NoRangeHandler.body)
     # the client hung up long before the body was through (socket buffers hold a few MB at most)
     assert _NoRangeHandler.sent < len(_NoRangeHandler.body) // 2
+
+
+def _raw_gguf(path: Path, *entries: bytes) -> Path:
+    """A GGUF v3 header of the given metadata entries and no tensors, written byte by byte (corrupt on purpose)."""
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(entries)) + b"".join(entries))
+    return path
+
+
+def _text(value: str) -> bytes:
+    return struct.pack("<Q", len(value.encode())) + value.encode()
+
+
+def _entry(key: str, vtype: gguf.GGUFValueType, payload: bytes) -> bytes:
+    return _text(key) + struct.pack("<I", vtype) + payload
+
+
+ARCH = _entry("general.architecture", gguf.GGUFValueType.STRING, _text("llama"))
+ARRAY = gguf.GGUFValueType.ARRAY
+
+
+@pytest.mark.parametrize("entry,named", [
+    # 2**62 eight-byte items: more than any struct can describe
+    (_entry("tokenizer.ggml.scores", ARRAY, struct.pack("<IQ", gguf.GGUFValueType.UINT64, 1 << 62)),
+     "'tokenizer.ggml.scores' holds 4611686018427387904 items"),
+    # arrays nested thousands deep: a recursion without end
+    (_entry("tokenizer.ggml.merges", ARRAY, struct.pack("<IQ", ARRAY, 1) * 5000 + struct.pack("<IQ", 4, 0)),
+     "'tokenizer.ggml.merges' holds arrays nested"),
+    (_entry("general.alignment", gguf.GGUFValueType.STRING, _text("thirty-two")),
+     "'general.alignment' is 'thirty-two', where a number belongs"),
+    (_entry("general.alignment", gguf.GGUFValueType.UINT32, struct.pack("<I", 24)), "not a power of two"),
+    (_entry("llama.block_count", gguf.GGUFValueType.STRING, _text("32")), "'llama.block_count' is '32'"),
+    (_entry("llama.block_count", gguf.GGUFValueType.UINT64, struct.pack("<Q", 1 << 60)), "not a layer count"),
+    (_entry("llama.attention.head_count", ARRAY, struct.pack("<IQ", gguf.GGUFValueType.STRING, 1) + _text("x")),
+     "'llama.attention.head_count' is 'x'"),
+], ids=["huge-array", "nested-arrays", "alignment-text", "alignment-24", "block-count-text", "block-count-huge",
+        "head-count-text"])
+def test_a_corrupt_header_is_one_line_naming_the_file_and_key(tmp_path: Path, entry: bytes, named: str) -> None:
+    path = _raw_gguf(tmp_path / "corrupt.gguf", ARCH, entry)
+    result = run_controller("estimate", str(path), timeout=120)
+    assert_one_line_error(result, 2, str(path), named, "the header is corrupt")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import ssl
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,3 +101,25 @@ def test_rate_paces_the_response(server: FileServer) -> None:
 
     assert body == DATA
     assert time.perf_counter() - started >= 0.35
+
+
+def test_tls_serves_ranges_to_a_client_trusting_its_certificate(tmp_path: Path) -> None:
+    (tmp_path / "org" / "repo").mkdir(parents=True)
+    (tmp_path / "org" / "repo" / "model.gguf").write_bytes(DATA)
+    with FileServer(tmp_path, tls=True) as srv:
+        assert srv.url.startswith("https://127.0.0.1:") and srv.ca_file is not None
+        context = ssl.create_default_context(cafile=str(srv.ca_file))
+        connection = http.client.HTTPSConnection("127.0.0.1", srv.port, timeout=10, context=context)
+        connection.request("GET", "/org/repo/resolve/main/model.gguf", headers={"Range": "bytes=10-"})
+        response = connection.getresponse()
+        assert (response.status, response.read()) == (206, DATA[10:])
+        connection.request("GET", "/redirect/org/repo/resolve/main/model.gguf")
+        redirect = connection.getresponse()
+        redirect.read()
+        assert redirect.headers["Location"].startswith(f"https://localhost:{srv.port}/")
+        with pytest.raises(ssl.SSLCertVerificationError):  # a client without the certificate refuses it
+            untrusting = http.client.HTTPSConnection("127.0.0.1", srv.port, timeout=10,
+                                                     context=ssl.create_default_context())
+            untrusting.request("GET", "/org/repo/resolve/main/model.gguf")
+        ca_file = srv.ca_file
+    assert not ca_file.exists()

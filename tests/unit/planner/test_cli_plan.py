@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 import yaml
@@ -10,6 +11,8 @@ from click.testing import CliRunner
 
 from controller.cli_plan import plan
 from controller.lab.tinymodels import write_model
+from tests.cli import run_controller
+from tests.unit.clean_errors import assert_one_line_error
 from tests.unit.planner.helpers import CPU_ONLY, DUAL, SINGLE, TWELVE, profile
 
 SERVICE_KEYS = {"model", "engine", "gpus", "split_mode", "ctx", "parallel", "kv_unified", "cache_type_k",
@@ -130,3 +133,35 @@ def test_a_file_that_is_not_a_gguf_is_refused(saved, tmp_path):
     fake.write_bytes(b"<html>not a model</html>" * 10)
     result = CliRunner().invoke(plan, ["--profile", saved(SINGLE), "--model", str(fake)])
     assert result.exit_code == 2 and "fake.gguf" in result.output
+
+
+@pytest.mark.parametrize("indices,problem", [((0, 0), "GPU index 0 is listed twice"),
+                                             ((-1,), "GPU index -1 is negative")])
+def test_a_profile_with_unusable_gpu_indices_is_refused(tmp_path, indices, problem):
+    data = profile(SINGLE).model_dump(mode="json")
+    data["gpus"] = [{**data["gpus"][0], "index": index} for index in indices]
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    result = run_controller("plan", "--profile", str(path), "--model", "qwen3-4b-instruct-2507-q8_0", timeout=60)
+    assert_one_line_error(result, 2, str(path), problem)  # never CUDA_VISIBLE_DEVICES=-1 or a shared card
+
+
+def test_box_form_refuses_an_unknown_model_id_before_connecting(tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.setblocking(False)
+        fleet = tmp_path / "fleet.yml"
+        fleet.write_text(yaml.safe_dump({"boxes": {"box3": {
+            "address": "127.0.0.1", "port": listener.getsockname()[1], "models": [{"id": "no-such-model"}]}}}))
+        result = run_controller("plan", "box3", "--fleet", str(fleet), timeout=60)
+        assert_one_line_error(result, 2, str(fleet), "box 'box3'", "unknown model id 'no-such-model'")
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody knocked: the box was never contacted
+
+
+def test_a_gguf_whose_file_name_is_no_plain_name_is_still_planned(saved, tmp_path):
+    path = write_model(tmp_path / "_My Model..v2 (q8).gguf", "llama", n_layer=2, n_embd=256, n_head=4, n_head_kv=2,
+                       n_ff=512, file_type="q8_0", header_only=True)
+    result = run_controller("plan", "--profile", saved(SINGLE), "--model", str(path), "--json", timeout=60)
+    assert result.returncode == 0, result.stderr
+    (service,) = json.loads(result.stdout)["services"]
+    assert service["model"] == "my-model.v2-q8"

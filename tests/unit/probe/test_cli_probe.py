@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -12,6 +14,8 @@ from click.testing import CliRunner
 
 from controller.cli_probe import probe
 from controller.probe import parse_outputs
+from tests.cli import run_controller
+from tests.unit.clean_errors import assert_one_line_error
 from tests.unit.probe.helpers import WRITTEN, machine
 
 CONTRACT_GPU_KEYS = {"index", "uuid", "name", "memory_mib", "compute_capability", "pci_bus_id", "serial"}
@@ -82,7 +86,7 @@ def test_live_probe_path_prints_the_same_as_from_dir(tmp_path: Path, monkeypatch
     fleet.write_text("boxes:\n  box3:\n    address: 192.0.2.10\n")
     seen = []
 
-    def probe_box(box):  # the transport boundary: what the lead's collect module returns
+    def probe_box(box, *, known_hosts=None):  # the transport boundary: what the lead's collect module returns
         seen.append(box.name)
         outputs = machine("single-v100-16g-linux")
         return parse_outputs(outputs), outputs, 0.2
@@ -111,3 +115,31 @@ def test_a_short_junk_cpuinfo_is_not_evidence_of_linux(tmp_path: Path) -> None:
     result = _invoke("--from-dir", str(tmp_path))
     assert result.exit_code == 2
     assert "cpuinfo: no 'processor' entries found" in result.stderr
+
+
+def test_a_web_server_on_the_ssh_port_is_one_line_without_paramikos_traceback(tmp_path: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        def answer_like_a_web_server() -> None:
+            while True:
+                try:
+                    client, _ = listener.accept()
+                except OSError:
+                    return
+                with client:
+                    client.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+        threading.Thread(target=answer_like_a_web_server, daemon=True).start()
+        fleet = tmp_path / "fleet.yml"
+        fleet.write_text(f"boxes:\n  box3:\n    address: 127.0.0.1\n    port: {listener.getsockname()[1]}\n")
+        result = run_controller("probe", "box3", "--fleet", str(fleet), timeout=60)
+    assert_one_line_error(result, 3, "box box3", "Error reading SSH protocol banner", "check the address")
+
+
+def test_probed_text_with_square_brackets_prints_as_written(tmp_path: Path) -> None:
+    folder = tmp_path / "captured"
+    shutil.copytree(WRITTEN / "single-v100-16g-linux", folder)
+    cpuinfo = folder / "cpuinfo"
+    cpuinfo.write_text(cpuinfo.read_text().replace("AMD Ryzen 5 5600X", "AMD [/] Ryzen [bold]5[/bold]"))
+    result = run_controller("probe", "--from-dir", str(folder), timeout=60)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert "CPU: AMD [/] Ryzen [bold]5[/bold] 6-Core Processor" in result.stdout

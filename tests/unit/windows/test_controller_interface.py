@@ -34,7 +34,7 @@ def host_vars(tmp_path_factory) -> dict:
         "address": "192.0.2.7",
         "os": "windows",
         "transport": "winrm",
-        "mirror": {"engines": "http://127.0.0.1:1/engines", "models": "http://127.0.0.1:1"},
+        "mirror": {"engines": "https://127.0.0.1:1/engines", "models": "http://127.0.0.1:1"},
         "models": [{"id": "qwen3.6-27b-q4_k_m", "agents": 4}],
     }
     fleet = parse_fleet({"boxes": {"win1": box_body}}, tmp / "fleet.yml")

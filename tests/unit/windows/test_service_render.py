@@ -47,7 +47,7 @@ QWEN_DUAL = {
 KEY = "k3y&<with>\"quotes'-0123456789"
 
 
-def render(tmp_path: Path, bind: str, api_key: str, instances: list[dict]) -> Path:
+def render(tmp_path: Path, bind: str, api_key: str, instances: list[dict], virtual_account: bool = True) -> Path:
     out = tmp_path / "out"
     out.mkdir()
     templates = ROLES / "win_llama_service" / "templates"
@@ -83,6 +83,7 @@ def render(tmp_path: Path, bind: str, api_key: str, instances: list[dict]) -> Pa
         "win_llama_service_instances": instances,
         "win_llama_service_bind": bind,
         "win_llama_service_api_key": api_key,
+        "win_llama_service_virtual_account": virtual_account,
     }
     result = run_playbook(tmp_path, plays, extra)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -139,15 +140,34 @@ def test_xml_environment_without_a_key(loopback):
     assert env == {"CUDA_VISIBLE_DEVICES": "0,1", "GGML_CUDA_ALLREDUCE": "nccl"}
 
 
-def test_xml_environment_carries_the_key_intact(exposed):
+def test_xml_passes_the_key_as_a_file_and_nowhere_else(exposed):
     for instance in (GEMMA, QWEN_DUAL):
-        env = {e.get("name"): e.get("value") for e in service(exposed, instance).findall("env")}
-        assert env == {"LLAMA_API_KEY": KEY, **instance["env"]}
-        # The key is never on the command line, where any user can read it from the process list.
-        assert (
-            KEY
-            not in (exposed / f"{instance['name']}.xml").read_text().split("<arguments>")[1].split("</arguments>")[0]
-        )
+        root = service(exposed, instance)
+        # ik_llama.cpp ignores LLAMA_API_KEY: the key must reach every engine as --api-key-file.
+        env = {e.get("name"): e.get("value") for e in root.findall("env")}
+        assert env == instance["env"]
+        assert split(root.findtext("arguments")) == [*instance["args"], "--api-key-file", r"C:\llama\secrets\api-key.txt"]
+        # Neither the command line (any user can list it) nor the XML holds the key itself.
+        text = (exposed / f"{instance['name']}.xml").read_text()
+        assert KEY not in text and "0123456789" not in text
+
+
+def test_xml_without_a_key_passes_no_key_file(loopback):
+    for instance in (GEMMA, QWEN_DUAL):
+        assert "--api-key-file" not in split(service(loopback, instance).findtext("arguments"))
+
+
+@pytest.mark.parametrize("instance", [GEMMA, QWEN_DUAL], ids=lambda i: i["name"])
+def test_xml_runs_the_server_as_its_virtual_account(exposed, instance):
+    # WinSW v2 reads <domain> and <user>; v3's <username> would be ignored and leave the service on LocalSystem.
+    (account,) = service(exposed, instance).findall("serviceaccount")
+    assert (account.findtext("domain"), account.findtext("user")) == ("NT SERVICE", instance["name"])
+    assert account.find("username") is None and account.find("password") is None
+
+
+def test_xml_keeps_localsystem_when_virtual_accounts_are_off(tmp_path):
+    out = render(tmp_path, "127.0.0.1", "", [GEMMA], virtual_account=False)
+    assert service(out, GEMMA).find("serviceaccount") is None
 
 
 def ps_value(script: str, variable: str) -> str:

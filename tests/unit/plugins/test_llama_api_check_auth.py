@@ -1,0 +1,60 @@
+"""llama_api_check proves a keyed server refuses requests without its key, against the real CPU
+llama-server reading the key the way the role hands it over: --api-key-file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from controller.lab import tinymodels
+from controller.lab.llama_server import serve
+
+pytestmark = pytest.mark.engine
+
+MODULE = Path(__file__).resolve().parents[3] / "plugins" / "modules" / "llama_api_check.py"
+# Characters systemd's environment-file parsing rewrites: with a key file they arrive verbatim.
+ODD_KEY = 'odd\\key"with\'quotes$and%percent'
+
+
+def run_module(tmp_path: Path, **args) -> dict:
+    args_file = tmp_path / "args.json"
+    args_file.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
+    done = subprocess.run([sys.executable, str(MODULE), str(args_file)], capture_output=True, text=True,
+                          timeout=180, check=False)
+    return json.loads(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tinymodels.write_model(tmp_path_factory.mktemp("m") / "tiny.gguf", "llama", file_type="q8_0")
+
+
+def test_a_keyed_server_refuses_requests_without_the_key(llama_server, model, tmp_path):
+    key_file = tmp_path / "api-key"
+    key_file.write_text(ODD_KEY + "\n")
+    with serve(llama_server, model, ["--alias", "tiny", "--api-key-file", str(key_file), "-c", "512", "-np", "1"]) as srv:
+        result = run_module(tmp_path, base_url=srv.url, model="tiny", api_key=ODD_KEY, max_tokens=2)
+    assert not result.get("failed"), result
+    assert result["auth"] == {"required": True, "anonymous_status": 401, "wrong_key_status": 401}
+    assert ODD_KEY not in json.dumps(result)
+
+
+def test_a_server_that_ignores_its_key_fails_verification(llama_server, model, tmp_path):
+    # What an ik_llama.cpp server given only LLAMA_API_KEY does: it serves everyone. Sending the right key
+    # alone passed before; the anonymous request must catch it.
+    with serve(llama_server, model, ["--alias", "tiny", "-c", "512", "-np", "1"]) as srv:
+        result = run_module(tmp_path, base_url=srv.url, model="tiny", api_key="expected-key-0123456789", max_tokens=2)
+    assert result["failed"]
+    assert "answered HTTP 200 without a key, not 401: the server does not check its API key" in result["msg"]
+    assert result["auth"]["anonymous_status"] == 200 and result["auth"]["wrong_key_status"] == 200
+
+
+def test_a_server_without_a_key_reports_it(llama_server, model, tmp_path):
+    with serve(llama_server, model, ["--alias", "tiny", "-c", "512", "-np", "1"]) as srv:
+        result = run_module(tmp_path, base_url=srv.url, model="tiny", max_tokens=2)
+    assert not result.get("failed"), result
+    assert result["auth"] == {"required": False}

@@ -1,0 +1,184 @@
+"""controller.runner with real ansible-playbook runs against this machine (connection local).
+
+The environment a run sees is allow-listed (foreign secrets in the controller's shell never reach the
+artifacts), Ctrl-C stops a run cleanly with exit code 130 and says where, and two controllers on one
+inventory take turns instead of interleaving.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from controller.runner import RunInterrupted, run_env, run_playbook
+
+pytestmark = pytest.mark.slow  # each test runs ansible-playbook (a few seconds)
+
+REPO = Path(__file__).resolve().parents[2]
+FOREIGN = {"FOO_API_KEY": "sk-foreign-box-key-5150", "WIN1_PASSWORD": "Winrm-Pa55-of-another-box",
+           "HF_TOKEN": "hf_operator_shell_token_0042"}
+
+
+def local_inventory(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "hosts.yml").write_text(yaml.safe_dump({"all": {"hosts": {"here": {
+        "ansible_connection": "local", "ansible_python_interpreter": sys.executable}}}}))
+    return folder
+
+
+def playbook(folder: Path, tasks: str) -> Path:
+    path = folder / "play.yml"
+    path.write_text("- name: Test play\n  hosts: all\n  gather_facts: false\n  tasks:\n"
+                    + textwrap.indent(textwrap.dedent(tasks), "    "))
+    return path
+
+
+def test_a_run_sees_only_the_allow_listed_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in FOREIGN.items():
+        monkeypatch.setenv(key, value)
+    inventory = local_inventory(tmp_path / "inventory")
+    seen = tmp_path / "env.txt"
+    play = playbook(tmp_path, f"""\
+        - name: Record the environment ansible-playbook was given
+          ansible.builtin.copy:
+            content: "[{{{{ lookup('ansible.builtin.env', 'FOO_API_KEY', default='') }}}}]"
+            dest: {seen}
+            mode: "0600"
+        """)
+    result = run_playbook(str(play), inventory=inventory)
+    assert result.status == "successful" and result.artifact_dir is not None
+    assert seen.read_text() == "[]"  # the variable was not there for ansible-playbook to read
+    files = [path for path in result.artifact_dir.rglob("*") if path.is_file()]
+    assert any(path.name == "command" for path in files)  # ansible-runner's record of the environment
+    for path in [*files, *(inventory / "facts").rglob("*")]:
+        if path.is_file():
+            data = path.read_bytes()
+            for value in FOREIGN.values():
+                assert value.encode() not in data, (path, value)
+    # The run still gets what it needs: PATH, HOME, the locale, and strict host-key checking.
+    env = run_env(inventory)
+    assert set(FOREIGN).isdisjoint(env) and env["HOME"] == os.environ["HOME"]
+    assert "StrictHostKeyChecking=yes" in env["ANSIBLE_SSH_ARGS"] and env["ANSIBLE_HOST_KEY_CHECKING"] == "True"
+    assert f"UserKnownHostsFile={inventory.resolve()}/known_hosts" in env["ANSIBLE_SSH_ARGS"]
+
+
+RUN_SCRIPT = """\
+import sys
+from pathlib import Path
+from controller.runner import run_playbook, RunInterrupted
+try:
+    run_playbook(sys.argv[1], inventory=Path(sys.argv[2]))
+except RunInterrupted as exc:
+    print(exc, file=sys.stderr)
+    sys.exit(exc.exit_code)
+"""
+
+
+SLEEP = "119.25"  # an odd duration, to find this test's sleep among the machine's processes
+
+
+def ansible_playbook_pids(play: Path) -> set[int]:
+    """ansible-playbook processes running ``play`` (other sessions may run their own at the same time)."""
+    found = set()
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(part.endswith(b"ansible-playbook") for part in argv[:2]) and str(play).encode() in argv:
+            found.add(int(cmdline.parent.name))
+    return found
+
+
+def test_ctrl_c_stops_the_run_says_where_and_leaves_no_process(tmp_path: Path) -> None:
+    inventory = local_inventory(tmp_path / "inventory")
+    marker = tmp_path / "sleeping"
+    play = playbook(tmp_path, f"""\
+        - name: Say the first task ran
+          ansible.builtin.command: touch {marker}
+          changed_when: false
+        - name: Wait for a long time
+          ansible.builtin.command: sleep {SLEEP}
+          changed_when: false
+        - name: Never reached
+          ansible.builtin.command: "true"
+          changed_when: false
+        """)
+    process = subprocess.Popen([sys.executable, "-c", RUN_SCRIPT, str(play), str(inventory)], cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(2)  # the long task has started
+    assert ansible_playbook_pids(play)
+    started = time.monotonic()
+    process.send_signal(signal.SIGINT)
+    _out, err = process.communicate(timeout=60)
+    assert process.returncode == 130, err
+    assert time.monotonic() - started < 15
+    assert "play.yml interrupted during task 'here: Wait for a long time'" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    time.sleep(0.5)
+    assert ansible_playbook_pids(play) == set()
+    sleepers = subprocess.run(["pgrep", "-fx", f"sleep {SLEEP}"], check=False, capture_output=True,
+                              text=True)
+    assert sleepers.stdout.strip() == ""
+
+
+def test_an_interrupted_run_in_process_reports_the_task(tmp_path: Path) -> None:
+    inventory = local_inventory(tmp_path / "inventory")
+    play = playbook(tmp_path, f"""\
+        - name: Interrupt the controller, as Ctrl-C would
+          ansible.builtin.command: kill -INT {os.getpid()}
+          changed_when: false
+        - name: Wait to be stopped
+          ansible.builtin.command: sleep 60
+          changed_when: false
+        """)
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(RunInterrupted) as caught:
+        run_playbook(str(play), inventory=inventory)
+    assert caught.value.exit_code == 130
+    assert caught.value.result.status == "interrupted"
+    assert caught.value.result.last_task in ("here: Interrupt the controller, as Ctrl-C would",
+                                             "here: Wait to be stopped")
+    assert signal.getsignal(signal.SIGINT) is handler  # the controller's own handler is back
+
+
+LOCKED_SCRIPT = """\
+import sys
+from pathlib import Path
+from controller.runner import run_playbook
+run_playbook(sys.argv[1], inventory=Path(sys.argv[2]))
+"""
+
+
+def test_two_runs_on_one_inventory_take_turns(tmp_path: Path) -> None:
+    inventory = local_inventory(tmp_path / "inventory")
+    log = tmp_path / "log"
+    play = playbook(tmp_path, f"""\
+        - name: Start
+          ansible.builtin.shell: echo start >> {log}; sleep 3; echo end >> {log}
+          changed_when: false
+        """)
+    first = subprocess.Popen([sys.executable, "-c", LOCKED_SCRIPT, str(play), str(inventory)], cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (inventory / ".lock").exists() or not (inventory / ".lock").read_text().strip():
+        assert time.monotonic() < deadline and first.poll() is None
+        time.sleep(0.1)
+    second = subprocess.run([sys.executable, "-c", LOCKED_SCRIPT, str(play), str(inventory)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120, check=False)
+    first.communicate(timeout=120)
+    assert first.returncode == 0 and second.returncode == 0, second.stderr
+    assert f"inventory {inventory.resolve()} is in use by pid {first.pid} (ansible-playbook {play})" \
+           in second.stderr
+    assert log.read_text().split() == ["start", "end", "start", "end"]  # never interleaved
