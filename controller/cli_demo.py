@@ -37,10 +37,13 @@ def demo(down: bool, as_json: bool) -> None:
         click.echo(json.dumps({"type": "report", **report}))
     else:
         click.echo(markdown(report))
-        endpoint = report["services"][0]["endpoint"] if report["services"] else None
+        service = report["services"][0] if report["services"] else None
         click.echo(f"Fleet file and inventory: {fleet_path.parent}")
-        if endpoint:
-            click.echo(f"Try it:  curl -s {endpoint}/v1/chat/completions -H 'Content-Type: application/json' "
+        if service:
+            # Every server requires a key; the demo's was generated on the box, readable by root only.
+            key = f"$(podman exec {lab_demo.DEMO_NAME} cat /etc/llama/keys/{service['name']}.key)"
+            click.echo(f"Try it:  curl -s {service['endpoint']}/v1/chat/completions -H \"Authorization: Bearer {key}\" "
+                       f"-H 'Content-Type: application/json' "
                        f"-d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"hi\"}}],\"max_tokens\":8}}'")
         click.echo("Remove it: controller demo --down")
     if not report["verified"]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from controller.fleet import Box, Fleet
 from controller.probe.driver import WINDOWS_DRIVER
 from controller.profile import HardwareProfile
 from controller.serveplan import ServePlan
+from controller.transports.known_hosts import known_hosts_file
 
 HEADER = "# Rendered by `controller`; edit the fleet file and re-render rather than this file.\n"
 WINSW = "winsw-2.12.0"
@@ -104,7 +106,7 @@ def _yaml(data: Any, operator_vars: dict[str, Any] | None = None) -> str:
     return HEADER + yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1000)
 
 
-def connection_vars(box: Box) -> dict[str, Any]:
+def connection_vars(box: Box, known_hosts: Path | None = None) -> dict[str, Any]:
     if box.transport == "local":
         return {"ansible_connection": "local"}
     out: dict[str, Any] = {"ansible_host": box.address, "ansible_port": box.effective_port, "ansible_user": box.user}
@@ -115,8 +117,13 @@ def connection_vars(box: Box) -> dict[str, Any]:
             "ansible_winrm_transport": box.winrm_transport,
             "ansible_winrm_server_cert_validation": "ignore" if box.winrm_insecure_skip_verify else "validate",
         }
-    elif box.key is not None:
-        out["ansible_ssh_private_key_file"] = str(box.key.expanduser())
+    else:
+        if box.key is not None:
+            out["ansible_ssh_private_key_file"] = str(box.key.expanduser())
+        if known_hosts is not None:
+            # Plain `ansible-playbook -i hosts.yml` checks the same recorded keys the controller does.
+            out["ansible_ssh_common_args"] = (f"-o StrictHostKeyChecking=yes -o UserKnownHostsFile="
+                                              f"{shlex.quote(str(known_hosts))}")
     return out
 
 
@@ -346,7 +353,7 @@ def _windows_host_vars(box: Box, plan: ServePlan, catalog: Catalog, profile: Har
     }
 
 
-def hosts_yml(fleet: Fleet, profiles: dict[str, HardwareProfile]) -> dict[str, Any]:
+def hosts_yml(fleet: Fleet, profiles: dict[str, HardwareProfile], known_hosts: Path | None = None) -> dict[str, Any]:
     from controller.probe.groups import group_names
 
     groups: dict[str, dict[str, Any]] = {}
@@ -355,7 +362,7 @@ def hosts_yml(fleet: Fleet, profiles: dict[str, HardwareProfile]) -> dict[str, A
         names = group_names(profiles[name]) if name in profiles else [box.os]
         names = [group for group in names if _GROUP_NAME.match(group)]  # derived from probes: keep them plain
         for group in sorted(set(names) | {box.os}):
-            groups.setdefault(group, {"hosts": {}})["hosts"][name] = connection_vars(box) if group == box.os else {}
+            groups.setdefault(group, {"hosts": {}})["hosts"][name] = connection_vars(box, known_hosts) if group == box.os else {}
     return {"all": {"children": {group: groups[group] for group in sorted(groups)}}}
 
 
@@ -396,6 +403,6 @@ def render_box(inventory: Path, fleet: Fleet, box: Box, profile: HardwareProfile
         write_atomic(path, text)
         written.append(path)
     hosts = inventory / "hosts.yml"
-    write_atomic(hosts, _yaml(hosts_yml(fleet, load_profiles(inventory))))
+    write_atomic(hosts, _yaml(hosts_yml(fleet, load_profiles(inventory), known_hosts_file(inventory.resolve()))))
     written.append(hosts)
     return written

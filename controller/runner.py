@@ -91,6 +91,13 @@ def _failure_message(res: Mapping[str, Any]) -> str:
     return str(message).strip().splitlines()[0][:400] if str(message).strip() else "failed"
 
 
+class _VerbatimDumper(yaml.SafeDumper):
+    """Secrets as ``!unsafe`` strings: Ansible passes a key holding ``{{`` on verbatim, never evaluates it."""
+
+
+_VerbatimDumper.add_representer(str, lambda dumper, data: dumper.represent_scalar("!unsafe", data))
+
+
 class RunInterrupted(RunError):
     """Ctrl-C (or SIGTERM) stopped a run; ``result`` says how far it got."""
 
@@ -286,7 +293,7 @@ def run_playbook(
             secrets_file = Path(private) / "secrets.yml"
             fd = os.open(secrets_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as secrets_out:
-                yaml.safe_dump(dict(secrets), secrets_out)
+                yaml.dump(dict(secrets), secrets_out, Dumper=_VerbatimDumper)
             cmdline = ["-e", f"@{secrets_file}"]
         data_dir = Path(private) / "data"
         (data_dir / "env").mkdir(parents=True)

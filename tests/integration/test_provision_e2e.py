@@ -4,7 +4,9 @@ a generated model served from a local download site, then both APIs, idempotence
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import yaml
 
 from controller.lab.fileserver import FileServer
 from controller.lab.target import free_port
-from tests.cli import run_controller
+from tests.cli import REPO, run_controller
 
 pytestmark = [pytest.mark.podman, pytest.mark.engine, pytest.mark.slow]
 
@@ -115,6 +117,35 @@ def test_secrets_never_reach_artifacts_inventory_or_output(fleet_file):
         data = path.read_bytes()
         assert API_KEY.encode() not in data and HF_TOKEN.encode() not in data, path
     assert API_KEY not in done.stdout + done.stderr and HF_TOKEN not in done.stdout + done.stderr
+
+
+def test_ctrl_c_stops_the_run_writes_where_and_the_next_run_converges(fleet_file):
+    """Ctrl-C during a real provision: ansible-playbook stops, the report names the task, exit 130."""
+    started = subprocess.Popen([sys.executable, "-m", "controller", "provision", "lab1", "--fleet", str(fleet_file),
+                                "--json"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        for line in started.stdout:  # the first task event: the play is under way on the box
+            seen.append(line)
+            if line.startswith('{"type": "task"'):
+                break
+        started.send_signal(signal.SIGINT)
+        out, err = started.communicate(timeout=120)
+    finally:
+        if started.poll() is None:
+            started.kill()
+    assert started.returncode == 130, "".join(seen) + out + err
+    assert "Traceback" not in err and "interrupted during task" in err
+    report = json.loads((fleet_file.parent / "inventory" / "reports" / "lab1.json").read_text())
+    assert report["run"]["status"] == "interrupted" and report["run"]["stopped_at"]
+    assert report["verified"] is False
+    leftover = subprocess.run(["pgrep", "-f", f"ansible-playbook.*{fleet_file.parent}"], capture_output=True,
+                              text=True, check=False)
+    assert leftover.stdout == "", leftover.stdout
+
+    summary, report, done = run_json(fleet_file)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert report["verified"] is True and summary["hosts"]["lab1"]["changed"] == 0
 
 
 def test_unreachable_box_is_one_clear_line(fleet_file):

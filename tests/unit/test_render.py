@@ -170,3 +170,16 @@ def test_a_damaged_probe_of_another_box_does_not_stop_this_render(tmp_path, caps
     warnings = capsys.readouterr().err.splitlines()
     assert len(warnings) == 2 and all(line.startswith("warning: ") for line in warnings)
     assert "b2.json" in warnings[0] and "controller render b2" in warnings[0] and "c3.json" in warnings[1]
+
+
+def test_plain_ansible_checks_the_host_keys_the_controller_recorded(tmp_path):
+    fleet = parse_fleet({"boxes": {"a1": {"address": "192.0.2.5", "port": 2222},
+                                   "c3": {"address": "192.0.2.7", "os": "windows", "transport": "winrm"}}},
+                        tmp_path / "fleet.yml")
+    inventory = tmp_path / "my inventory"
+    render_box(inventory, fleet, fleet.box("a1"), HardwareProfile(), None, load_catalog())
+
+    hosts = read_rendered((inventory / "hosts.yml").read_text())["all"]["children"]
+    ssh_args = hosts["linux"]["hosts"]["a1"]["ansible_ssh_common_args"]
+    assert ssh_args == f"-o StrictHostKeyChecking=yes -o UserKnownHostsFile='{inventory.resolve()}/known_hosts'"
+    assert "ansible_ssh_common_args" not in hosts["windows"]["hosts"]["c3"]

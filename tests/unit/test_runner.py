@@ -182,3 +182,19 @@ def test_two_runs_on_one_inventory_take_turns(tmp_path: Path) -> None:
     assert f"inventory {inventory.resolve()} is in use by pid {first.pid} (ansible-playbook {play})" \
            in second.stderr
     assert log.read_text().split() == ["start", "end", "start", "end"]  # never interleaved
+
+
+def test_a_secret_holding_a_template_arrives_verbatim(tmp_path: Path) -> None:
+    inventory = local_inventory(tmp_path / "inventory")
+    marker, seen = tmp_path / "evaluated", tmp_path / "key.txt"
+    key = "{{ lookup('ansible.builtin.pipe', 'touch " + str(marker) + "') }}-0123456789"
+    play = playbook(tmp_path, f"""\
+        - name: Write the key the run was given
+          ansible.builtin.copy:
+            content: "{{{{ llama_service_api_key }}}}"
+            dest: {seen}
+            mode: "0600"
+        """)
+    run_playbook(str(play), inventory=inventory, secrets={"llama_service_api_key": key})
+    assert not marker.exists()
+    assert seen.read_text() == key

@@ -4,28 +4,17 @@ llama-server reading the key the way the role hands it over: --api-key-file."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from controller.lab import tinymodels
 from controller.lab.llama_server import serve
+from tests.unit.plugins.test_llama_api_check import run_module
 
 pytestmark = pytest.mark.engine
 
-MODULE = Path(__file__).resolve().parents[3] / "plugins" / "modules" / "llama_api_check.py"
 # Characters systemd's environment-file parsing rewrites: with a key file they arrive verbatim.
 ODD_KEY = 'odd\\key"with\'quotes$and%percent'
-
-
-def run_module(tmp_path: Path, **args) -> dict:
-    args_file = tmp_path / "args.json"
-    args_file.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
-    done = subprocess.run([sys.executable, str(MODULE), str(args_file)], capture_output=True, text=True,
-                          timeout=180, check=False)
-    return json.loads(done.stdout)
 
 
 @pytest.fixture(scope="module")
