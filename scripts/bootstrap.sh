@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(podman crun debootstrap uidmap cmake ninja-build g++ make curl openssh-client ca-certificates)
+packages=(podman crun debootstrap uidmap cmake ninja-build g++ make curl openssh-client ca-certificates systemd)
 missing=()
 for package in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" || missing+=("$package")

@@ -29,7 +29,7 @@ import yaml
 from controller.lab import target as lab_target
 from controller.lab.engine_build import cache_root
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.podman, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 PORT = 18011
@@ -59,6 +59,10 @@ def _nft_debs() -> list[Path]:
     if len(list(folder.glob("*.deb"))) < len(NFT_DEBS):
         done = subprocess.run(["apt-get", "download", *NFT_DEBS], cwd=folder, capture_output=True, text=True,
                               check=False)
+        if done.returncode != 0:  # package lists older than the archive: refresh them once
+            subprocess.run(["apt-get", "update", "-qq"], capture_output=True, check=False, timeout=300)
+            done = subprocess.run(["apt-get", "download", *NFT_DEBS], cwd=folder, capture_output=True, text=True,
+                                  check=False)
         assert done.returncode == 0, f"apt-get download {' '.join(NFT_DEBS)} failed: {done.stderr.strip()}"
     return sorted(folder.glob("*.deb"))
 
