@@ -1,6 +1,7 @@
 """llama_service's firewall on a real systemd box with its own network: the port of a server bound beyond
 loopback answers loopback and llama_service_allow_from, drops everyone else, and the table goes away
-with the last exposed server.
+with the last exposed server. With ufw active and denying incoming connections, the role's ufw rules
+let in the allowed networks only, and go away again with the network or the server.
 
 The lab's molecule containers share the host's network namespace (their nftables would be the
 host's), so this test starts the target image on podman's bridge network instead: the host reaches
@@ -8,7 +9,10 @@ it from the bridge's gateway address, a network the test leaves out of allow_fro
 A stand-in listener (python3 -m http.server) takes the server's place: the firewall is under test, not
 llama-server. nftables comes from Debian's packages, fetched once on the host like the image's own
 packages (cached under ~/.cache/v100-llm-box/debs/nftables) and installed as a stock Debian 12 box
-has it (Priority: important); the role's package task then finds it present.
+has it (Priority: important); the role's package task then finds it present. ufw (and iptables, which
+it drives through nf_tables) is installed the same way into the same box, enabled only by the ufw test.
+firewalld needs dbus and polkit and is not installed: its rich rules are checked with firewalld's own
+parser (python3-firewall, unpacked on the host), the rule lists by tests/unit/test_llama_firewall_rules.py.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,6 +40,10 @@ ROOT = Path(__file__).resolve().parents[2]
 PORT = 18011
 NFT_DEBS = ("nftables", "libnftables1", "libjansson4", "libnftnl11", "libxtables12", "libedit2", "libmnl0",
             "libbsd0", "libmd0", "libgmp10")
+# ufw and what Debian 12's minbase target lacks of its dependencies (apt-cache depends ufw iptables).
+UFW_DEBS = ("ufw", "iptables", "libip4tc2", "libip6tc2", "libnetfilter-conntrack3", "libnfnetlink0", "netbase")
+UFW_COMMENT = "v100-llm-box:llama_service"
+STATE_FILE = "/etc/llama/firewall-opened.json"
 PLAYBOOK = """
 - hosts: all
   gather_facts: false
@@ -53,17 +62,18 @@ def _podman(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return done
 
 
-def _nft_debs() -> list[Path]:
-    folder = cache_root() / "debs" / "nftables"
+def _debs(group: str, names: tuple[str, ...]) -> list[Path]:
+    """Debian 12 packages, downloaded once on the host into ~/.cache/v100-llm-box/debs/<group>."""
+    folder = cache_root() / "debs" / group
     folder.mkdir(parents=True, exist_ok=True)
-    if len(list(folder.glob("*.deb"))) < len(NFT_DEBS):
-        done = subprocess.run(["apt-get", "download", *NFT_DEBS], cwd=folder, capture_output=True, text=True,
+    if len(list(folder.glob("*.deb"))) < len(names):
+        done = subprocess.run(["apt-get", "download", *names], cwd=folder, capture_output=True, text=True,
                               check=False)
         if done.returncode != 0:  # package lists older than the archive: refresh them once
             subprocess.run(["apt-get", "update", "-qq"], capture_output=True, check=False, timeout=300)
-            done = subprocess.run(["apt-get", "download", *NFT_DEBS], cwd=folder, capture_output=True, text=True,
+            done = subprocess.run(["apt-get", "download", *names], cwd=folder, capture_output=True, text=True,
                                   check=False)
-        assert done.returncode == 0, f"apt-get download {' '.join(NFT_DEBS)} failed: {done.stderr.strip()}"
+        assert done.returncode == 0, f"apt-get download {' '.join(names)} failed: {done.stderr.strip()}"
     return sorted(folder.glob("*.deb"))
 
 
@@ -74,9 +84,11 @@ def box(target_image):
             "--label", f"{lab_target.LABEL}=1", "--label", f"{lab_target.OWNER_LABEL}={lab_target.owner_token()}",
             "--privileged", "--systemd=always", "--network=bridge", target_image, "/sbin/init")
     try:
-        debs = _nft_debs()
-        _podman("cp", str(debs[0].parent), f"{name}:/root/nftables-debs")
-        _podman("exec", name, "sh", "-c", "dpkg --install /root/nftables-debs/*.deb")
+        for group, names in (("nftables", NFT_DEBS), ("ufw", UFW_DEBS)):
+            debs = _debs(group, names)
+            _podman("cp", str(debs[0].parent), f"{name}:/root/{group}-debs")
+            _podman("exec", "--env", "DEBIAN_FRONTEND=noninteractive", name, "sh", "-c",
+                    f"dpkg --install /root/{group}-debs/*.deb")
         _podman("exec", name, "systemctl", "is-system-running", "--wait", check=False)
         _podman("exec", name, "systemd-run", "--unit", "stand-in-llama", "python3", "-m", "http.server",
                 "--bind", "0.0.0.0", str(PORT))
@@ -86,7 +98,7 @@ def box(target_image):
         _podman("rm", "--force", "--time", "2", name, check=False)
 
 
-def _converge(name: str, tmp_path: Path, **variables: object) -> str:
+def _converge(name: str, tmp_path: Path, *, check_mode: bool = False, **variables: object) -> str:
     inventory = tmp_path / "hosts.yml"
     inventory.write_text(yaml.safe_dump({"all": {"hosts": {name: {
         "ansible_connection": "containers.podman.podman", "ansible_python_interpreter": "/usr/bin/python3"}}}}))
@@ -97,7 +109,7 @@ def _converge(name: str, tmp_path: Path, **variables: object) -> str:
     env = {**os.environ, "ANSIBLE_ROLES_PATH": str(ROOT / "roles"), "ANSIBLE_NOCOLOR": "1",
            "ANSIBLE_HOST_KEY_CHECKING": "False"}
     done = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inventory), str(playbook),
-                           "-e", f"@{extra}"], env=env, capture_output=True, text=True, check=False, timeout=300)
+                           "-e", f"@{extra}", *(["--check"] if check_mode else [])], env=env, capture_output=True, text=True, check=False, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     return done.stdout
 
@@ -167,3 +179,111 @@ def test_exposed_port_is_limited_to_allowed_networks_and_closed_again(box, tmp_p
     assert _reaches(address, PORT)
     closed = _converge(name, tmp_path, llama_service_bind="127.0.0.1", llama_service_instances=_instances("127.0.0.1"), llama_service_allow_from=[])
     assert _changed(closed) == 0, closed[-3000:]
+
+
+def _ufw_rules(name: str) -> list[str]:
+    """The lines of `ufw status` that carry the role's comment."""
+    status = _podman("exec", name, "ufw", "status").stdout
+    assert "Status: active" in status, status
+    return [line for line in status.splitlines() if UFW_COMMENT in line]
+
+
+def _recorded(name: str) -> dict[str, list[dict[str, object]]] | None:
+    found = _podman("exec", name, "stat", "--format", "%U %a", STATE_FILE, check=False)
+    if found.returncode != 0:
+        return None
+    assert found.stdout.split() == ["root", "600"], found.stdout
+    return json.loads(_podman("exec", name, "cat", STATE_FILE).stdout)
+
+
+def test_ufw_lets_in_the_allowed_networks_only_and_closes_again(box, tmp_path):
+    """Runs after the nftables test, which leaves the box with no table: ufw alone decides here."""
+    name, address, gateway, prefix = box
+    bridge = str(ipaddress.ip_network(f"{gateway}/{prefix}", strict=False))
+    exposed = {"llama_service_bind": "0.0.0.0", "llama_service_instances": _instances("0.0.0.0")}
+    assert _podman("exec", name, "nft", "list", "table", "inet", "llama_service", check=False).returncode != 0
+    _wait_until_listening(address, PORT)
+    _podman("exec", name, "ufw", "default", "deny", "incoming")
+    _podman("exec", name, "ufw", "--force", "enable")
+    assert "deny (incoming)" in _podman("exec", name, "ufw", "status", "verbose").stdout
+    # ufw's own default deny blocks the host: what lets it in below is the role's rule.
+    assert not _reaches(address, PORT), "ufw denies incoming connections, yet the host reached the port"
+
+    # Check mode from scratch changes nothing on the box.
+    _converge(name, tmp_path, check_mode=True, **exposed, llama_service_allow_from=[bridge, "2001:db8::/32"])
+    assert _ufw_rules(name) == [] and _recorded(name) is None
+
+    first = _converge(name, tmp_path, **exposed, llama_service_allow_from=[bridge, "2001:db8::/32"])
+    assert _changed(first) > 0
+    rules = _ufw_rules(name)
+    assert len(rules) == 2, rules
+    assert any(line.split()[:3] == [f"{PORT}/tcp", "ALLOW", bridge] for line in rules), rules
+    assert any(line.split()[:3] == [f"{PORT}/tcp", "ALLOW", "2001:db8::/32"] for line in rules), rules
+    # Opened to the allowed networks only: no rule lets anyone else in on the port.
+    everyone = [line for line in _podman("exec", name, "ufw", "status").stdout.splitlines()
+                if line.startswith(f"{PORT}") and "Anywhere" in line]
+    assert everyone == [], everyone
+    assert _recorded(name) == {"firewalld": [], "ufw": [{"source": bridge, "port": PORT},
+                                                        {"source": "2001:db8::/32", "port": PORT}]}
+    assert _reaches(address, PORT), f"{bridge} is allowed, yet ufw kept the host out"
+    # Converged: a rerun and a check-mode rerun change nothing.
+    assert _changed(_converge(name, tmp_path, **exposed, llama_service_allow_from=[bridge, "2001:db8::/32"])) == 0
+    assert _changed(_converge(name, tmp_path, check_mode=True, **exposed,
+                              llama_service_allow_from=[bridge, "2001:db8::/32"])) == 0
+
+    # A network taken out of allow_from loses its rule, and the host its access.
+    _converge(name, tmp_path, **exposed, llama_service_allow_from=["192.0.2.0/24"])
+    rules = _ufw_rules(name)
+    assert [line.split()[:3] for line in rules] == [[f"{PORT}/tcp", "ALLOW", "192.0.2.0/24"]], rules
+    assert _recorded(name) == {"firewalld": [], "ufw": [{"source": "192.0.2.0/24", "port": PORT}]}
+    assert not _reaches(address, PORT)
+
+    # No exposed server: every rule the role opened and its record are gone; ufw itself stays as it was.
+    _converge(name, tmp_path, llama_service_bind="127.0.0.1", llama_service_instances=_instances("127.0.0.1"),
+              llama_service_allow_from=["192.0.2.0/24"])
+    assert _ufw_rules(name) == [] and _recorded(name) is None
+    assert not _reaches(address, PORT)
+    again = _converge(name, tmp_path, llama_service_bind="127.0.0.1", llama_service_instances=_instances("127.0.0.1"),
+                      llama_service_allow_from=["192.0.2.0/24"])
+    assert _changed(again) == 0, again[-3000:]
+
+
+def test_firewalld_rich_rules_are_canonical():
+    """firewalld itself is not run (it needs dbus and polkit in the box): its own rule parser, from Debian's
+    python3-firewall, reads each rich rule the role would add back to the same text, so the module's
+    query finds a rule the role added (converged reruns change nothing) and the record removes it."""
+    folder = _debs("firewalld", ("python3-firewall",))[0].parent
+    unpacked = folder / "unpacked"
+    if not (unpacked / "usr/lib/python3/dist-packages/firewall").is_dir():
+        subprocess.run(["dpkg-deb", "--extract", str(next(folder.glob("*.deb"))), str(unpacked)], check=True)
+    rules = _firewalld_openings(["192.168.1.0/24", "2001:db8::/32"], [("0.0.0.0", 8001), ("127.0.0.1", 8002)])
+    assert [(rule["source"], rule["port"]) for rule in rules] == [("192.168.1.0/24", 8001), ("2001:db8::/32", 8001)]
+    check = ("import json, sys\nfrom firewall.core.rich import Rich_Rule\n"
+             "for rule in json.load(sys.stdin):\n    assert str(Rich_Rule(rule_str=rule)) == rule, rule\n"
+             "    assert Rich_Rule(rule_str=rule).action is not None\n")
+    done = subprocess.run(["python3", "-c", check], input=json.dumps([rule["rule"] for rule in rules]), text=True,
+                          capture_output=True, check=False,
+                          env={**os.environ, "PYTHONPATH": str(unpacked / "usr/lib/python3/dist-packages")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert 'family="ipv6" source address="2001:db8::/32"' in rules[1]["rule"]
+
+
+def _firewalld_openings(allow_from: list[str], servers: list[tuple[str, int]]) -> list[dict[str, object]]:
+    """The role's firewalld openings for these networks and (host, port) servers, as Ansible computes them."""
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch)
+        role = ROOT / "roles" / "llama_service"
+        (out / "show.yml").write_text(
+            "- hosts: localhost\n  connection: local\n  gather_facts: false\n  tasks:\n"
+            "    - ansible.builtin.copy:\n        content: '{{ _llama_service_firewalld_openings | to_json }}'\n"
+            f"        dest: {out}/openings.json\n        mode: '0600'\n")
+        (out / "vars.yml").write_text(yaml.safe_dump({
+            **yaml.safe_load((role / "defaults/main.yml").read_text()),
+            **yaml.safe_load((role / "vars/main.yml").read_text()),
+            "llama_service_allow_from": allow_from, "ansible_python_interpreter": sys.executable,
+            "llama_service_instances": [{"name": f"s{port}", "model": "m", "engine": "cpu", "port": port,
+                                         "args": ["--host", host, "--port", str(port)]} for host, port in servers]}))
+        done = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), str(out / "show.yml"),
+                               "-e", f"@{out / 'vars.yml'}"], capture_output=True, text=True, check=False)
+        assert done.returncode == 0, done.stdout[-3000:]
+        return json.loads((out / "openings.json").read_text())

@@ -94,7 +94,8 @@ def test_render_is_deterministic_and_holds_no_secrets(tmp_path, catalog, monkeyp
     hosts = yaml.safe_load(first["hosts.yml"])
     assert hosts["all"]["children"]["linux"]["hosts"]["box1"] == {
         "ansible_host": "127.0.0.1", "ansible_port": 2222, "ansible_user": "root",
-        "ansible_ssh_private_key_file": "/root/.ssh/id_ed25519"}
+        "ansible_ssh_private_key_file": "/root/.ssh/id_ed25519",
+        "ansible_ssh_common_args": f"-o StrictHostKeyChecking=yes -o UserKnownHostsFile={(tmp_path / 'inv').resolve()}/known_hosts"}
     assert "box1" in hosts["all"]["children"]["cpu_only"]["hosts"]
     assert json.loads(first["box1.json"]) in (plan.model_dump(mode="json"), CPU_PROFILE.model_dump(mode="json"))
 
