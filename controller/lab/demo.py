@@ -36,8 +36,12 @@ def demo_target() -> lab_target.Target:
     for record in lab_target.list_targets():
         if record.name == DEMO_NAME:
             if record.state == "running" and record.ssh_port and record.key_path:
-                return lab_target.Target(name=record.name, ssh_port=int(record.ssh_port),
-                                         key_path=Path(record.key_path), image=image)
+                running = lab_target.Target(name=record.name, ssh_port=int(record.ssh_port),
+                                            key_path=Path(record.key_path), image=image)
+                # A box started by an older release keeps / private, and systemd cannot hand the servers
+                # their key files (credentials) there: start it anew.
+                if running.run("findmnt -no PROPAGATION /").stdout.strip() == "shared":
+                    return running
             lab_target.remove_containers([record.name])
     return lab_target.Target.start(name=DEMO_NAME, image=image, owner=lab_target.MANUAL_OWNER)
 
