@@ -121,13 +121,10 @@ def _plan_box(box_name: str, fleet_path: Path, headers: dict[str, str]) -> Serve
     from controller.fleet import load_fleet
     from controller.planner import plan_box
     from controller.probe.collect import probe_box  # the transports pull in fabric and pywinrm
-
-    fleet = load_fleet(fleet_path)
-    box = fleet.box(box_name)
-    catalog = load_catalog(fleet.catalogs)
-    fleet.check_models_known(box, catalog.models)  # before any connection
+    from controller.provision import box_and_catalog
     from controller.transports.known_hosts import beside_fleet
 
+    box, catalog = box_and_catalog(load_fleet(fleet_path), box_name)  # unknown model ids fail before any connection
     profile, _raw, _seconds = probe_box(box, known_hosts=beside_fleet(fleet_path))
     return plan_box(box, profile, catalog, headers=headers)
 

@@ -58,7 +58,7 @@ def inventory_lock(folder: Path, what: str, notice: Callable[[str], None] | None
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = path.read_text().strip() or "another controller"
-            (notice or _to_stderr)(f"inventory {folder} is in use by {holder}; waiting for it to finish "
+            (notice or to_stderr)(f"inventory {folder} is in use by {holder}; waiting for it to finish "
                                    "(Ctrl-C to give up)")
             fcntl.flock(fd, fcntl.LOCK_EX)
         os.ftruncate(fd, 0)
@@ -73,5 +73,6 @@ def inventory_lock(folder: Path, what: str, notice: Callable[[str], None] | None
         os.close(fd)  # closing the descriptor releases the lock
 
 
-def _to_stderr(message: str) -> None:
+def to_stderr(message: str) -> None:
+    """The default way a library call tells the operator something (a wait, a newly recorded host key)."""
     print(message, file=sys.stderr, flush=True)

@@ -48,26 +48,23 @@ def check_driver(box: Box, profile: HardwareProfile) -> None:
         raise PlanError(f"box {box.name}: {problem}; then provision again")
 
 
-def _box_and_catalog(fleet: Fleet, box_name: str) -> tuple[Box, Catalog]:
+def box_and_catalog(fleet: Fleet, box_name: str) -> tuple[Box, Catalog]:
     box = fleet.box(box_name)
     catalog = load_catalog(fleet.catalogs)
-    for wanted in box.models:  # fail on an unknown id before touching the network
-        if wanted.id not in catalog.models:
-            known = ", ".join(sorted(catalog.models))
-            raise FleetError(f"{fleet.source}: box {box.name!r}: unknown model id {wanted.id!r}; the catalog has: {known}")
+    fleet.check_models_known(box, catalog.models)  # before touching the network
     return box, catalog
 
 
 def prepare(fleet: Fleet, box_name: str, inventory: Path) -> Prepared:
     """Probe, plan and render one box; no change to the box."""
+    box, catalog = box_and_catalog(fleet, box_name)
+    with inventory_lock(inventory, f"render {box_name}"):
+        return _prepare(fleet, box, catalog, inventory)
+
+
+def _prepare(fleet: Fleet, box: Box, catalog: Catalog, inventory: Path) -> Prepared:
     from controller.probe.collect import probe_box
 
-    box, catalog = _box_and_catalog(fleet, box_name)
-    with inventory_lock(inventory, f"render {box_name}"):
-        return _prepare(fleet, box, catalog, inventory, probe_box)
-
-
-def _prepare(fleet: Fleet, box: Box, catalog: Catalog, inventory: Path, probe_box: Any) -> Prepared:
     profile, _raw, seconds = probe_box(box, known_hosts=known_hosts_file(inventory))
     check_driver(box, profile)
     plan = plan_box(box, profile, catalog)
@@ -138,10 +135,10 @@ def install_driver(fleet: Fleet, box_name: str, inventory: Path, on_event: Event
     """
     from controller.probe.collect import probe_box
 
-    box, catalog = _box_and_catalog(fleet, box_name)
+    box, catalog = box_and_catalog(fleet, box_name)
     with inventory_lock(inventory, f"driver {box_name}"):
         if box.models:
-            _prepare(fleet, box, catalog, inventory, probe_box)
+            _prepare(fleet, box, catalog, inventory)
         else:
             profile, _raw, _seconds = probe_box(box, known_hosts=known_hosts_file(inventory))
             check_driver(box, profile)

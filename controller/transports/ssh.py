@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 
 import paramiko
@@ -11,6 +10,7 @@ from fabric import Connection
 from invoke.exceptions import CommandTimedOut
 
 from controller.errors import TransportError
+from controller.files import to_stderr
 from controller.fleet import Box
 from controller.transports.base import CommandResult, Transport
 from controller.transports.known_hosts import HostKeyCheck, Notice, entry_name, parse_public_key
@@ -20,10 +20,6 @@ from controller.transports.known_hosts import HostKeyCheck, Notice, entry_name, 
 _PARAMIKO_LOG = logging.getLogger("paramiko")
 _PARAMIKO_LOG.addHandler(logging.NullHandler())
 _PARAMIKO_LOG.propagate = False
-
-
-def _to_stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 class SshTransport(Transport):
@@ -47,7 +43,7 @@ class SshTransport(Transport):
         )
         fleet_key = parse_public_key(box.host_key, f"box {box.name}: host_key") if box.host_key else None
         self._host_keys = HostKeyCheck(box.name, entry_name(box.address, box.effective_port), known_hosts,
-                                       fleet_key, notice or _to_stderr)
+                                       fleet_key, notice or to_stderr)
         self._connection.client.set_missing_host_key_policy(self._host_keys)
 
     def _open(self) -> None:

@@ -10,29 +10,19 @@ import yaml
 
 from controller.catalog import load_catalog
 from controller.errors import CatalogError
-from controller.fleet import parse_fleet
 from controller.lab.site import LAB_ENGINE, PACK_NAME, pinned_engine
-from controller.planner import plan_box
-from controller.profile import Cpu, HardwareProfile, OsInfo
-from controller.render import host_vars
+from tests.unit.tiny_box import tiny_box_vars, tiny_catalog_file
 
 SHA = "ab" * 32
-CPU = HardwareProfile(cpu=Cpu(model="EPYC", cores=2, threads=4), memory_mib=8192, os=OsInfo(family="linux"))
 
 
 @pytest.fixture
 def catalog_file(tmp_path):
-    path = tmp_path / "catalog.yml"
-    path.write_text(yaml.safe_dump({"models": {"tiny": {"name": "t", "repo": "lab/r", "file": "t.gguf",
-                                                        "size_bytes": 1000, "sha256": SHA, "engine": "upstream"}}}))
-    return path
+    return tiny_catalog_file(tmp_path, SHA)
 
 
 def _vars(tmp_path, catalog, **mirror):
-    fleet = parse_fleet({"boxes": {"box1": {"address": "127.0.0.1", "models": [{"id": "tiny", "ctx": 2048}],
-                                            "mirror": mirror}}}, tmp_path / "fleet.yml")
-    box = fleet.box("box1")
-    return host_vars(box, plan_box(box, CPU, catalog), catalog, CPU)
+    return tiny_box_vars(tmp_path, catalog, models=[{"id": "tiny", "ctx": 2048}], mirror=mirror)
 
 
 def test_a_plain_http_mirror_without_a_pinned_pack_is_refused(tmp_path, catalog_file):

@@ -4,35 +4,25 @@ way each pinned engine reads it (issue 9: the bind check, the API key on every s
 from __future__ import annotations
 
 import pytest
-import yaml
 
 from controller.catalog import load_catalog
 from controller.errors import FleetError, PlanError
 from controller.fleet import parse_fleet
-from controller.planner import plan_box
-from controller.profile import Cpu, HardwareProfile, OsInfo
 from controller.provision import check_api_key, secrets_for
-from controller.render import host_vars
+from tests.unit.tiny_box import tiny_box_vars, tiny_catalog_file
 
 SHA = "cd" * 32
-CPU_PROFILE = HardwareProfile(cpu=Cpu(model="EPYC", cores=2, threads=4), memory_mib=8192, os=OsInfo(family="linux"))
 
 
 @pytest.fixture
 def catalog(tmp_path):
-    extra = tmp_path / "catalog.yml"
-    extra.write_text(yaml.safe_dump({"models": {"tiny": {"name": "t", "repo": "lab/r", "file": "t.gguf",
-                                                         "size_bytes": 1000, "sha256": SHA, "engine": "upstream"}}}))
-    return load_catalog([extra])
+    return load_catalog([tiny_catalog_file(tmp_path, SHA)])
 
 
 def rendered(tmp_path, catalog, **box):
-    data = {"boxes": {"box1": {"address": "127.0.0.1", "models": [{"id": "tiny"}],
-                               "mirror": {"engines": "https://127.0.0.1:1/engines", "models": "http://127.0.0.1:1"},
-                               **box}}}
-    fleet = parse_fleet(data, tmp_path / "fleet.yml")
-    target = fleet.box("box1")
-    return host_vars(target, plan_box(target, CPU_PROFILE, catalog), catalog, CPU_PROFILE)
+    return tiny_box_vars(tmp_path, catalog, **{
+        "models": [{"id": "tiny"}],
+        "mirror": {"engines": "https://127.0.0.1:1/engines", "models": "http://127.0.0.1:1"}, **box})
 
 
 def test_vars_that_bind_everywhere_without_a_key_are_refused(tmp_path, catalog):
