@@ -26,7 +26,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from controller.lab.fileserver import FileServer
+from lab.fileserver import FileServer
 
 
 def load_module() -> Any:

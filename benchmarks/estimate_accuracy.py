@@ -24,10 +24,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from controller.cli_estimate import estimate_model
 from controller.estimate.llamalog import context_settings, header_metadata, parse_log
-from controller.lab.estimate_check import Case, format_rows, run_case, within
-from controller.lab.tinymodels import write_gguf
+from controller.estimate.source import estimate_model
+from lab.estimate_check import Case, format_rows, run_case, within
+from lab.tinymodels import write_gguf
 
 FIXTURES = REPO.parent / "shared" / "fixtures" / "real"
 
@@ -76,33 +76,36 @@ CASES = [
 
 # (b) Which engine wrote each log, whether the product runs that engine family at a comparable
 # version, and — when not — why its KV differs from what the pinned engines allocate.
+COMPARABLE_LOGS = {
+    "upstream": (
+        "llamalog-devstral-small2-24b-256-f16-gb10-ngl0-cpu-mapped.txt",
+        "llamalog-mainline-qwen3-235b-a22b-16k-q8_0-2x3090.txt",
+        "llamalog-mainline-qwen3-30b-a3b-16k-f16-4090+5090-cpu-experts-llama-cli.txt",
+    ),
+    "ik": (
+        "llamalog-ik-deepseek-v3-8k-mla-f16-4gpu-partial-offload.txt",
+        "llamalog-ik-gemma3-27b-131072-f16-cpu-only-arm-full-swa-cache.txt",
+        "llamalog-ik-gemma3-27b-32k-f16-a6000.txt",
+        "llamalog-ik-llama3.1-8b-1k-k-iq4_nl-v-f16-windows-perplexity.txt",
+        "llamalog-ik-nemotron-ultra-253b-12k-k-q8_0-v-q4_0-4gpu.txt",
+        "llamalog-ik-qwen3-235b-a22b-16k-q8_0-2x3090-kv-on-host.txt",
+        "llamalog-ik-qwen3-235b-a22b-32k-f16-5090+4090-cpu-offload-windows.txt",
+        "llamalog-ik-qwen3-235b-a22b-32k-q8_0-2x3090-collapsed-spaces-oom.txt",
+        "llamalog-ik-qwen3-32b-8k-f16-2xT4-sm-row-annotated.txt",
+    ),
+}
 LOG_ENGINES: dict[str, tuple[str, bool, str]] = {
-    "llamalog-devstral-small2-24b-256-f16-gb10-ngl0-cpu-mapped.txt": ("upstream", True, ""),
-    "llamalog-ik-deepseek-v3-8k-mla-f16-4gpu-partial-offload.txt": ("ik", True, ""),
-    "llamalog-ik-gemma3-27b-131072-f16-cpu-only-arm-full-swa-cache.txt": ("ik", True, ""),
-    "llamalog-ik-gemma3-27b-32k-f16-a6000.txt": ("ik", True, ""),
-    "llamalog-ik-llama3.1-8b-1k-k-iq4_nl-v-f16-windows-perplexity.txt": ("ik", True, ""),
-    "llamalog-ik-nemotron-ultra-253b-12k-k-q8_0-v-q4_0-4gpu.txt": ("ik", True, ""),
-    "llamalog-ik-qwen3-235b-a22b-16k-q8_0-2x3090-kv-on-host.txt": ("ik", True, ""),
-    "llamalog-ik-qwen3-235b-a22b-32k-f16-5090+4090-cpu-offload-windows.txt": ("ik", True, ""),
-    "llamalog-ik-qwen3-235b-a22b-32k-q8_0-2x3090-collapsed-spaces-oom.txt": ("ik", True, ""),
-    "llamalog-ik-qwen3-32b-8k-f16-2xT4-sm-row-annotated.txt": ("ik", True, ""),
-    "llamalog-mainline-qwen3-235b-a22b-16k-q8_0-2x3090.txt": ("upstream", True, ""),
-    "llamalog-mainline-qwen3-30b-a3b-16k-f16-4090+5090-cpu-experts-llama-cli.txt": ("upstream", True, ""),
+    name: (family, True, "") for family, names in COMPARABLE_LOGS.items() for name in names
+} | {
     "llamalog-mainline-deepseek-v3-16k-f16-mla-4gpu-cpu-override-tensor.txt": (
         "upstream", False,
         ("mainline build 5331 (May 2025) cached MLA as K (512+64) plus V (512); current upstream caches K only "
          "(and GGUFs converted since store key_length_mla), so the pinned engine needs 47% less")),
-    "llamalog-ollama-qwen2.5-14b-8k-f16-cpu-only-2seq.txt": (
-        "upstream", False, "Ollama 0.9.0's embedded llama.cpp: not an engine the product installs (kept as a cross-check)"),
-    "llamalog-llama3-8b-512-f16-rtx3070-llama-cpp-python.txt": (
-        "upstream", False, "llama-cpp-python (mid-2024 llama.cpp): not an engine the product installs (cross-check)"),
-    "llamalog-qwen3-0.6b-4k-f16-jetson-orin-ngl0-llama-server.txt": ("upstream", True, ""),
 }
 
 
 def part_a(folder: Path) -> bool:
-    from controller.lab.engine_build import build
+    from lab.engine_build import build
 
     server = build() / "llama-server"
     rows = []

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/probe_bench.py [--runs N] [--machine FIXTURE]
 
 Starts one systemd container, installs the stand-in nvidia-smi with a fixture machine's captures
-(controller.lab.standin_smi), then times ``probe_box`` N times: each probe opens a new SSH
+(lab.standin_smi), then times ``probe_box`` N times: each probe opens a new SSH
 connection, runs the one probe script and parses its output, as ``controller probe`` does. The
 first run is reported separately: it pays for the container's first sshd session.
 """
@@ -22,9 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import yaml  # noqa: E402
 
 from controller.fleet import load_fleet  # noqa: E402
-from controller.lab import standin_smi  # noqa: E402
-from controller.lab import target as lab_target  # noqa: E402
 from controller.probe.collect import probe_box  # noqa: E402
+from lab import host as lab_host  # noqa: E402
+from lab import image as lab_image  # noqa: E402
+from lab import standin_smi  # noqa: E402
+from lab import target as lab_target  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "probe"
 BUDGET_S = 3.0
@@ -35,8 +37,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--machine", default="twelve-v100-threadripper", help="fixture folder under tests/fixtures/probe")
     args = parser.parse_args()
-    lab_target.ensure_host_ready()
-    image = lab_target.ensure_image()
+    lab_host.ensure_host_ready()
+    image = lab_image.ensure_image()
     with lab_target.Target.start(image=image) as box, tempfile.TemporaryDirectory(prefix="probe-bench-") as tmp:
         standin_smi.install(box, standin_smi.captures_from_dir(FIXTURES / args.machine))
         fleet = Path(tmp) / "fleet.yml"

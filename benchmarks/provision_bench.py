@@ -20,12 +20,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from controller.fleet import load_fleet
-from controller.lab import target as lab_target
-from controller.lab.demo import write_fleet
-from controller.lab.engine_build import build
-from controller.lab.fileserver import FileServer
-from controller.lab.site import build_site
 from controller.provision import provision
+from lab import host as lab_host
+from lab import image as lab_image
+from lab import target as lab_target
+from lab.demo import write_fleet
+from lab.engine_build import build
+from lab.fileserver import FileServer
+from lab.site import build_site
 
 
 def one_run(work: Path, site: Path, catalog: Path, image: str) -> tuple[float, int, float, int, bool]:
@@ -46,8 +48,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     build()  # the one-off engine build: cached, not timed
-    lab_target.ensure_host_ready()
-    image = lab_target.ensure_image()
+    lab_host.ensure_host_ready()
+    image = lab_image.ensure_image()
     rows = []
     with tempfile.TemporaryDirectory(prefix="provision-bench-") as tmp:
         catalog = build_site(Path(tmp) / "site")

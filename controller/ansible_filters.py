@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from controller import facts
+
 
 def systemd_quote(word: str) -> str:
     """Quote one argument for a systemd ExecStart= line.
@@ -20,5 +22,10 @@ def systemd_command(words: Iterable[str]) -> str:
     return " ".join(systemd_quote(word) for word in words)
 
 
+def reachable_host(bind: str) -> str:
+    """The URL host that reaches, from the box itself, a server bound to ``bind`` (controller.facts decides)."""
+    return facts.reachable_host(bind)
+
+
 def filters() -> dict[str, object]:
-    return {"systemd_quote": systemd_quote, "systemd_command": systemd_command}
+    return {"systemd_quote": systemd_quote, "systemd_command": systemd_command, "reachable_host": reachable_host}

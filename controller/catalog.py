@@ -177,25 +177,22 @@ class Catalog(_Strict):
     downloads: dict[str, DownloadEntry] = Field(default_factory=dict)
 
     def model(self, model_id: str) -> ModelEntry:
-        try:
-            return self.models[model_id]
-        except KeyError:
-            known = ", ".join(sorted(self.models))
-            raise CatalogError(f"unknown model id {model_id!r}; the catalog has: {known}") from None
+        return _lookup(self.models, "model", model_id)
 
     def engine(self, engine_id: str) -> EngineEntry:
-        try:
-            return self.engines[engine_id]
-        except KeyError:
-            known = ", ".join(sorted(self.engines))
-            raise CatalogError(f"unknown engine id {engine_id!r}; the catalog has: {known}") from None
+        return _lookup(self.engines, "engine", engine_id)
 
     def download(self, download_id: str) -> DownloadEntry:
-        try:
-            return self.downloads[download_id]
-        except KeyError:
-            known = ", ".join(sorted(self.downloads)) or "none"
-            raise CatalogError(f"unknown download id {download_id!r}; the catalog has: {known}") from None
+        return _lookup(self.downloads, "download", download_id)
+
+
+def _lookup(table: dict, kind: str, entry_id: str):
+    """One entry of a catalog table, or the error that lists what the catalog has."""
+    try:
+        return table[entry_id]
+    except KeyError:
+        known = ", ".join(sorted(table)) or "none"
+        raise CatalogError(f"unknown {kind} id {entry_id!r}; the catalog has: {known}") from None
 
 
 def _read(text: str, source: str) -> dict:

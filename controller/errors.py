@@ -6,48 +6,43 @@ without a traceback.
 
 
 class ControllerError(Exception):
-    """Base class of every error the controller reports to the operator."""
+    """Base class of every error the controller reports to the operator; each kind names its exit code."""
 
     exit_code = 1
 
+    def __init_subclass__(cls, exit_code: int | None = None, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if exit_code is not None:
+            cls.exit_code = exit_code
 
-class FleetError(ControllerError):
+
+class FleetError(ControllerError, exit_code=2):
     """The fleet file is missing, malformed, or names something that does not exist."""
 
-    exit_code = 2
 
-
-class CatalogError(ControllerError):
+class CatalogError(ControllerError, exit_code=2):
     """A model or engine catalog is malformed, or an id is not in it."""
 
-    exit_code = 2
 
-
-class TransportError(ControllerError):
+class TransportError(ControllerError, exit_code=3):
     """A box could not be reached or would not accept the credentials."""
 
-    exit_code = 3
 
-
-class ProbeError(ControllerError):
+class ProbeError(ControllerError, exit_code=2):
     """Probe output could not be turned into a usable hardware profile."""
 
-    exit_code = 2
 
-
-class PlanError(ControllerError):
+class PlanError(ControllerError, exit_code=4):
     """No serving configuration fits what was asked."""
 
-    exit_code = 4
 
-
-class RunError(ControllerError):
+class RunError(ControllerError, exit_code=5):
     """A playbook run failed; the message names the failed tasks."""
 
-    exit_code = 5
 
-
-class VerifyError(ControllerError):
+class VerifyError(ControllerError, exit_code=6):
     """The served endpoints did not answer as the plan says they should."""
 
-    exit_code = 6
+
+class SetupError(ControllerError, exit_code=2):
+    """This installation lacks something the command needs (``controller demo`` needs a clone's lab/)."""

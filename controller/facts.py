@@ -37,9 +37,9 @@ def driver_window() -> dict[str, object]:
             "branches": list(DRIVER_BRANCHES)}
 
 
-def box_path(folder: str, name: str) -> str:
-    """A path on the box: Windows folders (C:\\...) keep their backslashes."""
-    sep = "\\" if "\\" in folder else "/"
+def box_path(os: str, folder: str, name: str) -> str:
+    """A file in a folder on a box of that OS: Windows paths are joined with backslashes."""
+    sep = "\\" if os == "windows" else "/"
     return folder.rstrip("/\\") + sep + name
 
 

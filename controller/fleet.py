@@ -32,6 +32,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from controller.catalog import Name
 from controller.errors import FleetError
+from controller.facts import (
+    DEFAULT_MODEL_DIR,
+    DRIVER_BRANCHES,
+    DRIVER_DEFAULT_BRANCH,
+    DRIVER_FIRST_MAJOR,
+    DRIVER_LAST_MAJOR,
+    DRIVER_WINDOW,
+)
 
 BOX_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 
@@ -100,19 +108,20 @@ class DriverSettings(_Strict):
     """How the NVIDIA driver is handled on a box with V100s."""
 
     manage: bool = True  # false: leave the driver alone (the box's owner handles it)
-    branch: int = Field(default=580, description="Linux driver branch, R570-R580")
+    branch: int = Field(default=DRIVER_DEFAULT_BRANCH, description=f"Linux driver branch, {DRIVER_WINDOW}")
     allow_reboot: bool = False  # a driver change or a TCC/MCDM switch may reboot the box
     wsl2: bool = False  # Windows box used through WSL2: MCDM instead of TCC (slower decode)
 
     @field_validator("branch")
     @classmethod
     def _in_window(cls, value: int) -> int:
-        if value >= 590:
+        last = DRIVER_BRANCHES[-1]
+        if value > DRIVER_LAST_MAJOR:
             raise ValueError(f"R{value} and later dropped Volta (sm_70): the V100 is not supported there; "
-                             "use 580, the last branch with Volta")
-        if not 570 <= value <= 580:
-            raise ValueError(f"R{value} is outside the R570-R580 window (the CUDA 12.8 builds need R570 or "
-                             "newer); use 570 or 580")
+                             f"use {last}, the last branch with Volta")
+        if not DRIVER_BRANCHES[0] <= value <= last:
+            raise ValueError(f"R{value} is outside the {DRIVER_WINDOW} window (the CUDA 12.8 builds need "
+                             f"R{DRIVER_FIRST_MAJOR} or newer); use " + " or ".join(map(str, DRIVER_BRANCHES)))
         return value
 
 
@@ -197,7 +206,7 @@ class Box(_Strict):
     def effective_model_dir(self) -> str:
         if self.model_dir:
             return self.model_dir.replace("/", "\\") if self.os == "windows" else self.model_dir
-        return "C:\\llama\\models" if self.os == "windows" else "/var/lib/llama/models"
+        return DEFAULT_MODEL_DIR[self.os]
 
     @property
     def binds_beyond_loopback(self) -> bool:

@@ -9,6 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from controller.facts import is_v100
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -27,7 +29,7 @@ class Gpu(_Model):
 
     @property
     def is_v100(self) -> bool:
-        return "V100" in self.name.upper()
+        return is_v100(self.name)
 
 
 class Driver(_Model):
@@ -92,4 +94,5 @@ class HardwareProfile(_Model):
     @property
     def usable(self) -> bool:
         """True when the probe learned anything at all about the box."""
-        return bool(self.gpus or self.cpu.model or self.cpu.threads or self.memory_mib or self.os.family)
+        return bool(self.gpus or self.nvlink.pairs or self.boards or self.driver.version or self.cpu.model
+                    or self.cpu.threads or self.memory_mib or self.os.family)

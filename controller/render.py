@@ -8,7 +8,8 @@ Layout of the inventory folder::
     plans/<box>.json        the serving plan, with its reasons
 
 Output is deterministic: the same fleet, profiles and plans give byte-identical files. Secrets are
-never written here; the runner hands them to Ansible in a private file for the length of a run.
+never written here: ``secrets_for`` names them, and the runner hands them to Ansible in a private file for the
+length of a run.
 """
 
 from __future__ import annotations
@@ -23,19 +24,15 @@ from typing import Any
 
 import yaml
 
-from controller.catalog import Catalog
-from controller.errors import CatalogError, PlanError
+from controller.errors import CatalogError, FleetError, PlanError
+from controller.facts import driver_window, is_v100
 from controller.files import write_atomic
 from controller.fleet import Box, Fleet
-from controller.probe.driver import WINDOWS_DRIVER
 from controller.profile import HardwareProfile
-from controller.serveplan import ServePlan
+from controller.serveplan import Download, DriverPlan, ServePlan
 from controller.transports.known_hosts import known_hosts_file
 
 HEADER = "# Rendered by `controller`; edit the fleet file and re-render rather than this file.\n"
-WINSW = "winsw-2.12.0"
-LINUX_PLATFORM = "linux-x86_64"
-WINDOWS_PLATFORM = "windows-x86_64"
 
 
 # Characters that Jinja's delimiters ({{ }}, {% %}, {# #}) are made of. Text without them (and without
@@ -127,102 +124,96 @@ def connection_vars(box: Box, known_hosts: Path | None = None) -> dict[str, Any]
     return out
 
 
-def _engine_packs(box: Box, plan: ServePlan, catalog: Catalog, platform: str) -> dict[str, dict[str, Any]]:
-    engines: dict[str, dict[str, Any]] = {}
-    for service in plan.services:
-        engine = catalog.engine(service.engine)
-        if engine.id in engines:
-            continue
-        pack = engine.pack(platform)
-        if not box.mirror.engines:
-            raise CatalogError(
-                f"box {box.name}: engine {engine.id} needs a download address; set mirror.engines in the "
-                f"fleet file to the folder holding {pack.file} and its SHA256SUMS"
-            )
-        base = box.mirror.engines.rstrip("/")
-        if not pack.sha256 and not base.startswith("https://"):
+def _require_address(box: Box, download: Download) -> str:
+    if not download.url:
+        raise CatalogError(f"box {box.name}: {download.id} needs a download address; set {download.what} in the fleet "
+                           f"file to the folder holding {download.file}")
+    return download.url
+
+
+def _engine_packs(box: Box, plan: ServePlan) -> list[dict[str, Any]]:
+    """The engine role's packs; an unpinned pack only from an https mirror, whose SHA256SUMS can be trusted."""
+    packs = []
+    for engine in plan.engines:
+        download = engine.download
+        if download is None:
+            raise CatalogError(f"box {box.name}: engine {engine.id} has no release pack for {engine.platform}; add one "
+                               f"to its entry in a catalog file listed under 'catalogs:'")
+        url = _require_address(box, download)
+        if not download.sha256 and not url.startswith("https://"):
             # The pack runs as the engine on the box and root unpacks it: a SHA256SUMS file from the same
             # plain-HTTP mirror could be forged along with it.
             raise CatalogError(
-                f"box {box.name}: engine {engine.id} has no sha256 pinned for {pack.file}, and mirror.engines "
-                f"({base}) is plain HTTP, so its SHA256SUMS cannot be trusted; pin the pack: copy the entry "
-                f"engines.{engine.id} of the built-in engines.yml into a catalog file listed under 'catalogs:' "
-                f"and add sha256: <64 hex digits> to packs.{platform} (sha256sum {pack.file}), or serve the "
-                f"mirror over https"
+                f"box {box.name}: engine {engine.id} has no sha256 pinned for {download.file}, and mirror.engines "
+                f"({url.rsplit('/', 1)[0]}) is plain HTTP, so its SHA256SUMS cannot be trusted; pin the pack: copy "
+                f"the entry engines.{engine.id} of the built-in engines.yml into a catalog file listed under "
+                f"'catalogs:' and add sha256: <64 hex digits> to packs.{engine.platform} (sha256sum "
+                f"{download.file}), or serve the mirror over https"
             )
-        engines[engine.id] = {
-            "name": engine.slot,
-            "version": engine.commit,
-            "url": f"{base}/{pack.file}",
-            "sha256": pack.sha256 or "",
-            "sha256sums_url": "" if pack.sha256 else f"{base}/SHA256SUMS",
-        }
-    return engines
+        packs.append({"name": engine.slot, "version": engine.commit, "url": url, "sha256": download.sha256 or "",
+                      "sha256sums_url": download.sha256sums_url or "", "nccl": engine.nccl})
+    return packs
 
 
-def _model_files(box: Box, plan: ServePlan, catalog: Catalog) -> list[dict[str, Any]]:
-    # The hub token goes to huggingface.co (the role's default); to the models mirror only when the fleet
-    # says so, and only over https. Windows boxes get no token at all.
-    mirror_token = box.os == "linux" and box.mirror.models_token and bool(box.mirror.models)
-    if mirror_token and not str(box.mirror.models).startswith("https://"):
+def _pinned_download(box: Box, download: Download | None, what: str) -> dict[str, Any]:
+    """A file that runs with full rights on the box (the driver installer, WinSW): only when pinned."""
+    if download is None:
+        raise CatalogError(f"box {box.name}: the catalog has no {what}; add it under 'downloads:' in a catalog file")
+    url = _require_address(box, download)
+    if not download.sha256:
         raise CatalogError(
-            f"box {box.name}: mirror.models_token would send hf_token to {box.mirror.models}, which is plain HTTP; "
-            f"serve the models mirror over https or remove models_token"
-        )
-    models: dict[str, dict[str, Any]] = {}
-    for service in plan.services:
-        model = catalog.model(service.model)
+            f"{download.id}: no sha256 pinned for {download.file}; it runs with full rights on the box, so it is only "
+            f"installed when pinned. Hash the file you trust (PowerShell: Get-FileHash -Algorithm SHA256 "
+            f"{download.file}) and add it to a catalog file listed under 'catalogs:' in the fleet file:\n"
+            f"  downloads:\n    {download.id}:\n      sha256: <64 hex digits>")
+    return {"version": download.version, "url": url, "sha256": download.sha256}
+
+
+def _model_files(box: Box, plan: ServePlan) -> list[dict[str, Any]]:
+    files = []
+    for model in plan.models:
         if not model.sha256:
             raise CatalogError(
                 f"model {model.id}: no sha256 pinned; add it to a catalog file listed under 'catalogs:' in the "
                 f"fleet file (the hub shows each file's SHA256 on its page)"
             )
-        models.setdefault(model.file, {
-            "name": model.file,
-            "url": model.url(box.mirror.models),
-            "sha256": model.sha256,
-            "size": model.size_bytes,
-        } | ({"token": True} if mirror_token else {}))
-    return list(models.values())
+        if not model.url:
+            raise CatalogError(f"model {model.id}: no download address; set mirror.models in the fleet file")
+        if model.token and not model.url.startswith("https://"):
+            raise CatalogError(
+                f"box {box.name}: mirror.models_token would send hf_token to {box.mirror.models}, which is plain "
+                f"HTTP; serve the models mirror over https or remove models_token"
+            )
+        files.append({"name": model.file, "url": model.url, "sha256": model.sha256, "size": model.size_bytes}
+                     | ({"token": True} if model.token else {}))
+    return files
 
 
 def uses_nccl(plan: ServePlan) -> bool:
     """A tensor-split service on an NVLink board all-reduces through NCCL."""
-    return any(service.env.get("GGML_CUDA_ALLREDUCE") == "nccl" for service in plan.services)
+    return any(service.nccl for service in plan.services)
 
 
-def _gpus(profile: HardwareProfile, *, windows: bool = False) -> list[dict[str, Any]]:
-    out = []
-    for gpu in profile.gpus:
-        entry: dict[str, Any] = {"index": gpu.index, "name": gpu.name, "pci_bus_id": gpu.pci_bus_id}
-        if windows:
-            entry["driver_model"] = profile.driver.model
-        out.append(entry)
-    return out
+def _gpus(profile: HardwareProfile) -> list[dict[str, Any]]:
+    return [{"index": gpu.index, "name": gpu.name, "pci_bus_id": gpu.pci_bus_id, "is_v100": is_v100(gpu.name),
+             "driver_model": profile.driver.model}
+            for gpu in profile.gpus]
 
 
-def driver_vars(box: Box, profile: HardwareProfile, catalog: Catalog, *, nccl: bool = False) -> dict[str, Any]:
-    """What the driver role of the box's OS needs: the probed GPUs, the branch, the mirror, reboot and NCCL."""
-    if box.os == "windows":
-        out: dict[str, Any] = {
-            "win_nvidia_driver_manage": box.driver.manage,
-            "win_nvidia_driver_gpus": _gpus(profile, windows=True),
-            "win_nvidia_driver_mode": "mcdm" if box.driver.wsl2 else "tcc",
-            "win_nvidia_driver_allow_reboot": box.driver.allow_reboot,
-        }
-        if box.driver.manage and any(gpu.is_v100 for gpu in profile.gpus):
-            installer = catalog.download(f"nvidia-windows-{WINDOWS_DRIVER}")
-            url, sha256 = installer.source(box.mirror.drivers, "mirror.drivers")
-            out |= {"win_nvidia_driver_version": installer.version, "win_nvidia_driver_url": url,
-                    "win_nvidia_driver_sha256": sha256}
-        return out
-    out = {
-        "nvidia_driver_manage": box.driver.manage,
+def driver_vars(box: Box, profile: HardwareProfile, driver: DriverPlan) -> dict[str, Any]:
+    """The driver role's inputs: the probed GPUs, the window, reboot, and per OS the branch or the installer."""
+    out: dict[str, Any] = {
+        "nvidia_driver_manage": driver.manage,
         "nvidia_driver_gpus": _gpus(profile),
-        "nvidia_driver_branch": box.driver.branch,
-        "nvidia_driver_allow_reboot": box.driver.allow_reboot,
-        "nvidia_driver_nccl": nccl,
+        "nvidia_driver_window": driver_window(),
+        "nvidia_driver_allow_reboot": driver.allow_reboot,
     }
+    if box.os == "windows":
+        out["nvidia_driver_mode"] = driver.mode
+        if driver.installer is not None or (driver.manage and any(is_v100(gpu.name) for gpu in profile.gpus)):
+            out["nvidia_driver_installer"] = _pinned_download(box, driver.installer, "Windows driver installer")
+        return out
+    out |= {"nvidia_driver_branch": driver.branch, "nvidia_driver_nccl": driver.nccl}
     if box.mirror.drivers:
         out["nvidia_driver_repo_url"] = box.mirror.drivers
         out["nvidia_driver_repo_key_url"] = box.mirror.drivers_key or ""
@@ -231,47 +222,53 @@ def driver_vars(box: Box, profile: HardwareProfile, catalog: Catalog, *, nccl: b
     return out
 
 
-def host_vars(box: Box, plan: ServePlan | None, catalog: Catalog, profile: HardwareProfile | None = None,
+def host_vars(box: Box, profile: HardwareProfile, plan: ServePlan | None, driver: DriverPlan | None = None,
               ) -> dict[str, Any]:
-    """What the roles need to install and run the plan on this box; without a plan, the driver role's inputs."""
-    profile = profile or HardwareProfile()
+    """What the roles need on this box, projected from the plan; without services, the driver role's inputs.
+
+    One builder for both OSes: the roles take the same variables on Linux and Windows, and the few that
+    exist only on Windows (the driver installer and mode, WinSW) are added for Windows boxes.
+    """
+    driver = driver or (plan.driver if plan is not None else None)
+    if driver is None:
+        raise PlanError(f"box {box.name}: the plan has no driver decision; plan the box again")
     linux = {"ansible_python_interpreter": "/usr/bin/python3"} if box.os == "linux" else {}
     if plan is None:
-        return {**linux, **driver_vars(box, profile, catalog), **box.vars}
+        return {**linux, **driver_vars(box, profile, driver), **box.vars}
     if not plan.services:
         raise PlanError(f"box {box.name}: the plan places no service; nothing to provision")
-    if box.os == "windows":
-        merged = {**_windows_host_vars(box, plan, catalog, profile), **box.vars}
-        check_exposure(box, merged)
-        return merged
-    engines = _engine_packs(box, plan, catalog, LINUX_PLATFORM)
-    nccl = uses_nccl(plan)
+    slots = {engine.id: engine for engine in plan.engines}
     merged = {
         **linux,
-        **driver_vars(box, profile, catalog, nccl=nccl),
-        "llama_engine_packs": list(engines.values()),
-        "gguf_model_dir": box.effective_model_dir,
-        "gguf_model_files": _model_files(box, plan, catalog),
+        **driver_vars(box, profile, driver),
+        "llama_engine_packs": _engine_packs(box, plan),
+        "gguf_model_dir": plan.model_dir,
+        "gguf_model_files": _model_files(box, plan),
         "llama_service_bind": box.bind,
+        "llama_service_allow_from": box.allow_from,
         "llama_service_instances": [
             {
                 "name": service.name,
                 "model": service.model,
-                "engine": catalog.engine(service.engine).slot,
+                "engine": slots[service.engine].slot,
+                "version": slots[service.engine].commit,
                 "port": service.port,
                 "args": service.args,
                 "env": service.env,
-                "mlock": "--mlock" in service.args or "mlock" in service.args,
-                "api_key_flag": catalog.engine(service.engine).api_key.file_flag,
-                "no_slots_flags": catalog.engine(service.engine).no_slots_flags,
+                "mlock": service.mlock,
+                "nccl": service.nccl,
+                "api_key_flag": slots[service.engine].api_key_flag,
+                "no_slots_flags": slots[service.engine].no_slots_flags,
             }
             for service in plan.services
         ],
-        "llama_service_allow_from": box.allow_from,
         "llama_service_templates": sorted({s.template for s in plan.services if s.template}),
-        "llama_verify_nccl": nccl,
-        **box.vars,
+        "llama_service_template_dir": plan.template_dir,
+        "llama_verify_nccl": uses_nccl(plan),
     }
+    if box.os == "windows":
+        merged["llama_service_winsw"] = _pinned_download(box, plan.service_wrapper, "WinSW service wrapper")
+    merged |= box.vars
     check_exposure(box, merged)
     return merged
 
@@ -299,58 +296,50 @@ def check_exposure(box: Box, merged: dict[str, Any]) -> None:
     the check runs on the merged result: every instance's ``--host`` must be the bind address the role
     checks (llama_service_bind), and an address beyond loopback needs an API key and allow_from.
     """
-    prefix = "win_" if box.os == "windows" else ""
-    bind = str(merged.get(f"{prefix}llama_service_bind", box.bind))
-    for instance in merged.get(f"{prefix}llama_service_instances") or []:
+    bind = str(merged.get("llama_service_bind", box.bind))
+    for instance in merged.get("llama_service_instances") or []:
         for host in _bound_hosts(instance):
             if host != bind:
                 raise PlanError(
                     f"box {box.name}: instance {instance.get('name')} would bind {host} (its --host), but "
-                    f"{prefix}llama_service_bind is {bind}; set the address once, with bind in the fleet file, "
-                    f"and drop --host/{prefix}llama_service_bind from the box's vars")
+                    f"llama_service_bind is {bind}; set the address once, with bind in the fleet file, "
+                    f"and drop --host/llama_service_bind from the box's vars")
     if _loopback(bind):
         return
-    if box.api_key is None and not merged.get(f"{prefix}llama_service_api_key"):
+    if box.api_key is None and not merged.get("llama_service_api_key"):
         raise PlanError(f"box {box.name}: its servers would bind {bind}, which other machines can reach, without "
                         f"an API key; set api_key in the fleet file, or bind 127.0.0.1")
-    if not box.allow_from and not merged.get(f"{prefix}llama_service_allow_from"):
+    if not box.allow_from and not merged.get("llama_service_allow_from"):
         raise PlanError(f"box {box.name}: its servers would bind {bind}, which other machines can reach; list the "
                         f"networks that may connect in allow_from in the fleet file (e.g. [192.168.1.0/24]), "
                         f"or bind 127.0.0.1")
 
 
-def _windows_host_vars(box: Box, plan: ServePlan, catalog: Catalog, profile: HardwareProfile) -> dict[str, Any]:
-    """The same plan for the win_* roles: zip packs, WinSW services, the driver installer."""
-    engines = _engine_packs(box, plan, catalog, WINDOWS_PLATFORM)
-    nccl = uses_nccl(plan)
-    for service in plan.services:
-        engine = catalog.engine(service.engine)
-        engines[engine.id]["nccl"] = engine.nccl
-    driver = driver_vars(box, profile, catalog)
-    winsw = catalog.download(WINSW)
-    winsw_url, winsw_sha256 = winsw.source(box.mirror.engines, "mirror.engines")
-    return driver | {
-        "win_llama_engine_packs": list(engines.values()),
-        "win_gguf_model_dir": box.effective_model_dir,
-        "win_gguf_model_files": _model_files(box, plan, catalog),
-        "win_llama_service_bind": box.bind,
-        "win_llama_service_allow_from": box.allow_from,
-        "win_llama_service_winsw": {"version": winsw.version, "url": winsw_url, "sha256": winsw_sha256},
-        "win_llama_service_instances": [
-            {
-                "name": service.name,
-                "model": service.model,
-                "engine": catalog.engine(service.engine).slot,
-                "version": catalog.engine(service.engine).commit,
-                "port": service.port,
-                "args": service.args,
-                "env": service.env,
-            }
-            for service in plan.services
-        ],
-        "win_llama_service_templates": sorted({s.template for s in plan.services if s.template}),
-        "win_llama_verify_nccl": nccl,
-    }
+# The servers read the key as one line of a key file and compare it byte for byte with the header a
+# client sends; HTTP drops spaces around header values and upstream skips key lines starting with "#".
+# The same rule is checked by roles/llama_service (preflight) for hand-written inventories.
+API_KEY_RULE = re.compile(r"[!-~]{16,256}")
+
+
+def check_api_key(key: str, what: str) -> str:
+    if not API_KEY_RULE.fullmatch(key) or key.startswith("#"):
+        raise FleetError(f"{what}: use 16 to 256 printable ASCII characters with no spaces (letters, digits, "
+                         f"punctuation; not starting with #); the key given has {len(key)} characters"
+                         + ("" if API_KEY_RULE.fullmatch(key) else " and some outside that set"))
+    return key
+
+
+def secrets_for(box: Box) -> dict[str, str]:
+    """The playbook variables that carry the box's secrets (handed to each run, never rendered)."""
+    secrets = {}
+    if box.api_key is not None:
+        what = f"box {box.name} api_key"
+        secrets["llama_service_api_key"] = check_api_key(box.api_key.resolve(what), what)
+    if box.hf_token is not None and box.os == "linux":  # Windows boxes download models from a mirror
+        secrets["gguf_model_hf_token"] = box.hf_token.resolve(f"box {box.name} hf_token")
+    if box.password is not None:
+        secrets["ansible_password"] = box.password.resolve(f"box {box.name} password")
+    return secrets
 
 
 def hosts_yml(fleet: Fleet, profiles: dict[str, HardwareProfile], known_hosts: Path | None = None) -> dict[str, Any]:
@@ -384,18 +373,19 @@ def load_profiles(inventory: Path) -> dict[str, HardwareProfile]:
 
 
 def render_box(inventory: Path, fleet: Fleet, box: Box, profile: HardwareProfile, plan: ServePlan | None,
-               catalog: Catalog) -> list[Path]:
+               driver: DriverPlan | None = None) -> list[Path]:
     """Write this box's probe, plan and host_vars, then hosts.yml for the whole fleet.
 
-    Without a plan (a box that names no model yet) only the driver role's inputs are written, and a plan
-    left from an earlier render is removed, so the inventory never describes services the box will not get.
+    Without a plan (a box that names no model yet) only the driver role's inputs are written, from
+    ``driver``, and a plan left from an earlier render is removed, so the inventory never describes
+    services the box will not get.
     """
     plan_path = inventory / "plans" / f"{box.name}.json"
     files = {inventory / "probes" / f"{box.name}.json": json.dumps(profile.model_dump(mode="json"), indent=2) + "\n"}
     if plan is not None:
         files[plan_path] = json.dumps(plan.model_dump(mode="json"), indent=2) + "\n"
     files[inventory / "host_vars" / f"{box.name}.yml"] = _yaml(
-        {k: v for k, v in host_vars(box, plan, catalog, profile).items() if v is not None}, box.vars)
+        {k: v for k, v in host_vars(box, profile, plan, driver).items() if v is not None}, box.vars)
     if plan is None:
         plan_path.unlink(missing_ok=True)
     written = []

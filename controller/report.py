@@ -1,4 +1,7 @@
-"""The provisioning report handed to whoever gets the box: what was found, planned and verified."""
+"""The provisioning report handed to whoever gets the box: what was found, planned and verified.
+
+This module formats (JSON, Markdown); whether the box is verified is controller.verify's verdict.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from controller.fleet import Box
 from controller.profile import HardwareProfile
 from controller.runner import RunResult
 from controller.serveplan import ServePlan
+from controller.verify import expects_key, report_fields, verdict
 
 # Seed figures, one V100, same build and flags, TCC vs MCDM: decode tokens per second.
 MCDM_NOTE = ("the V100s run in MCDM mode so WSL2 can see them; decode is slower than native TCC (measured on one "
@@ -20,7 +24,7 @@ MCDM_NOTE = ("the V100s run in MCDM mode so WSL2 can see them; decode is slower 
 
 def driver_section(box: Box, run: RunResult | None) -> dict[str, Any]:
     """What the driver role did on the box, and what the buyer should know about it."""
-    data = {} if run is None else (run.data.get("nvidia_driver") or run.data.get("win_nvidia_driver") or {})
+    data = {} if run is None else (run.data.get("nvidia_driver") or {})
     section = dict(data.get(box.name) or {})
     notes = list(section.get("notes") or [])
     if box.os == "windows" and box.driver.wsl2:
@@ -34,27 +38,19 @@ def driver_section(box: Box, run: RunResult | None) -> dict[str, Any]:
 
 def build_report(box: Box, profile: HardwareProfile, plan: ServePlan, run: RunResult | None,
                  verify: dict[str, Any], probe_seconds: float) -> dict[str, Any]:
-    services = []
-    for service in plan.services:
-        checked = verify.get(service.name, {})
-        services.append({
-            "name": service.name,
-            "model": service.model,
-            "engine": service.engine,
-            "endpoint": f"http://{service.host}:{service.port}",
-            "gpus": service.gpus,
-            "ctx": service.ctx,
-            "parallel": service.parallel,
-            "verified": bool(checked) and service.model in checked.get("served_ids", [])
-                        and checked.get("openai", {}).get("object") == "chat.completion"
-                        and checked.get("anthropic", {}).get("type") == "message",
-            "health": checked.get("health"),
-            "served_ids": checked.get("served_ids", []),
-            "openai": checked.get("openai"),
-            "anthropic": checked.get("anthropic"),
-            "auth": checked.get("auth"),  # {required, anonymous_status, wrong_key_status} from llama_verify
-            "reasons": service.reasons,
-        })
+    """The report of one box; ``verify`` is what its checks answered (controller.verify.results)."""
+    outcome = verdict(plan, verify, run, key_required=expects_key(box))
+    services = [{
+        "name": service.name,
+        "model": service.model,
+        "engine": service.engine,
+        "endpoint": f"http://{service.host}:{service.port}",
+        "gpus": service.gpus,
+        "ctx": service.ctx,
+        "parallel": service.parallel,
+        **report_fields(verify, outcome, service.name),
+        "reasons": service.reasons,
+    } for service in plan.services]
     return {
         "box": box.name,
         "address": box.address,
@@ -81,7 +77,7 @@ def build_report(box: Box, profile: HardwareProfile, plan: ServePlan, run: RunRe
         "driver": driver_section(box, run),
         "services": services,
         "unplaced": [item.model_dump() for item in plan.unplaced],
-        "verified": bool(services) and all(service["verified"] for service in services),
+        "verified": outcome.verified,
     }
 
 

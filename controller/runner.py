@@ -216,7 +216,9 @@ def base_env() -> dict[str, str]:
         "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "/usr/bin:/bin")]),
         "ANSIBLE_CONFIG": str(PROJECT_ROOT / "ansible.cfg"),
         "ANSIBLE_ROLES_PATH": str(PROJECT_ROOT / "roles"),
-        "ANSIBLE_LIBRARY": str(PROJECT_ROOT / "plugins" / "modules"),
+        # The Windows twins of the modules (same names, .ps1) come second, so a POSIX host always gets the .py.
+        "ANSIBLE_LIBRARY": os.pathsep.join(str(PROJECT_ROOT / "plugins" / folder)
+                                           for folder in ("modules", "windows_modules")),
         "ANSIBLE_FILTER_PLUGINS": str(PROJECT_ROOT / "plugins" / "filter"),
         "ANSIBLE_NOCOLOR": "1",
         # Reruns reuse a box's facts (OS family, package manager) for a day instead of gathering them

@@ -1,6 +1,10 @@
 """The serving plan: which llama-server runs where, with which arguments, and why.
 
 This is the JSON contract of ``controller plan --json``; extend it, never rename fields.
+
+The plan is complete: it carries every decision the roles act on, resolved (the engine packs and
+model files with their addresses and checksums, mlock, NCCL, the OS and its folders, the chat
+template file, the driver), so rendering the inventory is a projection of it and never decides again.
 """
 
 from __future__ import annotations
@@ -16,6 +20,59 @@ class _Model(BaseModel):
 
 class ServiceMemory(_Model):
     per_device_mib: dict[str, int] = Field(default_factory=dict)  # "cuda0", "cpu", ...
+
+
+class Download(_Model):
+    """One file a role fetches, resolved for the box: from its mirror or the publisher's address.
+
+    ``url`` is None when the box names no address for it; ``sha256`` None when nothing pins it.
+    Rendering refuses both where the file would run on the box.
+    """
+
+    id: str
+    version: str | None = None
+    file: str
+    url: str | None = None
+    sha256: str | None = None
+    sha256sums_url: str | None = None  # an engine pack without a pinned sha256: the mirror's SHA256SUMS
+    what: str = ""  # the fleet setting that gives its address, e.g. "mirror.engines"
+
+
+class EnginePack(_Model):
+    """An engine build the box installs: one slot (folder) per engine, one pinned version in it."""
+
+    id: str  # engine catalog id, e.g. "upstream-02182fc"
+    slot: str  # install folder shared by every version: "upstream", "ik", "cpu"
+    commit: str
+    family: str
+    platform: str  # "linux-x86_64" or "windows-x86_64"
+    nccl: bool = False
+    api_key_flag: str = "--api-key-file"
+    no_slots_flags: list[str] = Field(default_factory=list)
+    download: Download | None = None  # None: the engine has no release pack for this platform
+
+
+class ModelFile(_Model):
+    """A GGUF the box downloads into its model folder."""
+
+    id: str  # catalog id
+    file: str
+    url: str | None = None
+    sha256: str | None = None
+    size_bytes: int | None = None
+    token: bool = False  # also send the hub token to this (mirror) address: the fleet's mirror.models_token
+
+
+class DriverPlan(_Model):
+    """What the driver role does on the box, and why."""
+
+    manage: bool = True
+    branch: int | None = None  # Linux driver branch
+    allow_reboot: bool = False
+    nccl: bool = False  # install NCCL: a service all-reduces over NVLink with it
+    mode: Literal["tcc", "mcdm"] | None = None  # Windows driver model for the V100s
+    installer: Download | None = None  # Windows: the pinned data-center driver
+    reasons: list[str] = Field(default_factory=list)
 
 
 class Service(_Model):
@@ -43,6 +100,9 @@ class Service(_Model):
     env: dict[str, str] = Field(default_factory=dict)
     memory: ServiceMemory = Field(default_factory=ServiceMemory)
     reasons: list[str] = Field(default_factory=list)
+    mlock: bool = False  # the weights are locked in RAM (expert offload): the service may lock memory
+    nccl: bool = False  # tensor split all-reduces through NCCL (GGML_CUDA_ALLREDUCE=nccl)
+    template_file: str | None = None  # the chat template's path on the box
 
 
 class Unplaced(_Model):
@@ -54,3 +114,13 @@ class ServePlan(_Model):
     fits: bool
     services: list[Service] = Field(default_factory=list)
     unplaced: list[Unplaced] = Field(default_factory=list)
+    os: Literal["linux", "windows"] = "linux"
+    model_dir: str | None = None
+    template_dir: str | None = None
+    engines: list[EnginePack] = Field(default_factory=list)  # one per engine the services use
+    models: list[ModelFile] = Field(default_factory=list)  # one per model file the services load
+    service_wrapper: Download | None = None  # Windows: WinSW runs each server as a service
+    driver: DriverPlan | None = None
+
+    def engine(self, engine_id: str) -> EnginePack:
+        return next(pack for pack in self.engines if pack.id == engine_id)

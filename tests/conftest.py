@@ -17,7 +17,7 @@ IN_CI = os.environ.get("CI") == "true"
 @pytest.fixture(scope="session")
 def engine_dir() -> Path:
     """The cached CPU llama-server build (built on first use: minutes on two cores)."""
-    from controller.lab.engine_build import build
+    from lab.engine_build import build
 
     if shutil.which("cmake") is None:
         pytest.fail("cmake is not installed; run ./scripts/bootstrap.sh")
@@ -32,7 +32,7 @@ def llama_server(engine_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def lab_site(tmp_path_factory, engine_dir) -> tuple[Path, Path]:
     """A download site with the engine pack and the demo model; returns (root, catalog file)."""
-    from controller.lab.site import build_site
+    from lab.site import build_site
 
     root = tmp_path_factory.mktemp("site")
     return root, build_site(root)

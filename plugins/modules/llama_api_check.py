@@ -53,8 +53,9 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
+# plugins/windows_modules/llama_api_check.ps1 (the Windows twin) returns the same fields; a test compares the lists.
 health:
-  description: The C(status) field of C(/health).
+  description: The C(status) field of C(/health); C(unreachable) when a request got no usable answer.
   type: str
   returned: always
 served_ids:
@@ -63,20 +64,54 @@ served_ids:
   elements: str
   returned: when the server is healthy
 openai:
-  description: C(object), C(completion_tokens), C(tokens_per_second) and the start of C(text) of the OpenAI reply.
+  description: What the OpenAI API (C(/v1/chat/completions)) answered.
   type: dict
   returned: when the server is healthy
+  contains:
+    object:
+      description: The reply's C(object), C(chat.completion) when it answered.
+      type: str
+    completion_tokens:
+      description: Tokens generated.
+      type: int
+    tokens_per_second:
+      description: Decode speed the server reported (C(timings.predicted_per_second)).
+      type: float
+    text:
+      description: The start of the reply (200 characters).
+      type: str
 anthropic:
-  description: C(type), C(output_tokens), C(stop_reason) and the start of C(text) of the Anthropic reply.
+  description: What the Anthropic API (C(/v1/messages)) answered.
   type: dict
   returned: when the server is healthy
+  contains:
+    type:
+      description: The reply's C(type), C(message) when it answered.
+      type: str
+    output_tokens:
+      description: Tokens generated.
+      type: int
+    stop_reason:
+      description: Why generation stopped.
+      type: str
+    text:
+      description: The start of the reply's text blocks (200 characters).
+      type: str
 auth:
-  description:
-    - C(required) (whether a key was set) and, when it was, C(anonymous_status) and C(wrong_key_status),
-      the HTTP statuses of a chat request without the key and with a wrong one (both must be 401).
+  description: Whether the server checks its API key.
   type: dict
   returned: when the server is healthy
   sample: {required: true, anonymous_status: 401, wrong_key_status: 401}
+  contains:
+    required:
+      description: Whether a key was set (and so had to be checked).
+      type: bool
+    anonymous_status:
+      description: HTTP status of a chat request without the key (must be 401); only when required.
+      type: int
+    wrong_key_status:
+      description: HTTP status of a chat request with a wrong key (must be 401); only when required.
+      type: int
 """
 
 import json

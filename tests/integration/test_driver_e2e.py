@@ -2,7 +2,7 @@
 
 The lab's systemd container stands in for the box. Its PCI bus is a stand-in `lspci` that lists two
 V100s (no driver means no nvidia-smi, so the probe reads the bus); the driver comes from the lab's apt
-repository of stand-in NVIDIA packages (controller.lab.aptrepo: real names, versions, dependencies, and an
+repository of stand-in NVIDIA packages (lab.aptrepo: real names, versions, dependencies, and an
 nvidia-smi that reports the same two cards). The container cannot load a kernel module, so the file the
 role reads for the loaded module's version is one the test writes, as a reboot would.
 
@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.lab import aptrepo
-from controller.lab.fileserver import FileServer
-from controller.lab.target import Target
+from lab import aptrepo
+from lab.fileserver import FileServer
+from lab.target import Target
 from tests.cli import run_controller
 
 pytestmark = pytest.mark.podman

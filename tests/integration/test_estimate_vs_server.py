@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.lab.estimate_check import COMPUTE_TOL, KV_TOL, WEIGHTS_TOL, Case, run_case, within
+from lab.estimate_check import COMPUTE_TOL, KV_TOL, WEIGHTS_TOL, Case, run_case, within
 
 pytestmark = pytest.mark.engine
 

@@ -31,8 +31,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.lab import target as lab_target
-from controller.lab.engine_build import cache_root
+from lab import image as lab_image
+from lab import target as lab_target
+from lab.engine_build import cache_root
 
 pytestmark = [pytest.mark.podman, pytest.mark.slow]
 
@@ -51,7 +52,7 @@ PLAYBOOK = """
     - name: Apply the role's firewall tasks
       ansible.builtin.include_role:
         name: llama_service
-        tasks_from: firewall.yml
+        tasks_from: linux-firewall.yml
 """
 
 
@@ -81,7 +82,7 @@ def _debs(group: str, names: tuple[str, ...]) -> list[Path]:
 def box(target_image):
     name = f"v100box-fw-{secrets.token_hex(3)}"
     _podman("run", "--detach", "--name", name, "--hostname", name,
-            "--label", f"{lab_target.LABEL}=1", "--label", f"{lab_target.OWNER_LABEL}={lab_target.owner_token()}",
+            "--label", f"{lab_image.LABEL}=1", "--label", f"{lab_target.OWNER_LABEL}={lab_target.owner_token()}",
             "--privileged", "--systemd=always", "--network=bridge", target_image, "/sbin/init")
     try:
         for group, names in (("nftables", NFT_DEBS), ("ufw", UFW_DEBS)):

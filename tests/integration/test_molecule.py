@@ -6,14 +6,16 @@ V100BOX_PACK_SHA256 (the engine pack's sha256, pinned because V100BOX_LAB_URL is
 V100BOX_TOKEN_URL and V100BOX_LAB_TOKEN (the site over HTTPS behind a bearer token) with V100BOX_LAB_CA (its
 throwaway certificate, which a prepare playbook copies into the target),
 V100BOX_MODEL_SHA256 / V100BOX_MODEL_SIZE, V100BOX_SOURCE_SHA256, V100BOX_TEST_PORT,
-V100BOX_APT_URL (the stand-in NVIDIA driver repository, `python -m controller.lab.aptrepo build DIR`) and
-V100BOX_TARGET_IMAGE. To run one by hand, serve a site with `python -m controller.lab.fileserver` and export
+V100BOX_APT_URL (the stand-in NVIDIA driver repository, `python -m lab.aptrepo build DIR`),
+V100BOX_DRIVER_WINDOW (controller.facts.driver_window() as JSON: the roles take the window from the inventory) and
+V100BOX_TARGET_IMAGE. To run one by hand, serve a site with `python -m lab.fileserver` and export
 the same variables, then `cd roles/<role> && molecule test -s <scenario>`.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import socket
 import subprocess
@@ -24,9 +26,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.lab import aptrepo
-from controller.lab.fileserver import FileServer
-from controller.lab.site import PACK_NAME, sha256_file
+from controller import facts
+from lab import aptrepo
+from lab.fileserver import FileServer
+from lab.site import PACK_NAME, sha256_file
 
 pytestmark = [pytest.mark.podman, pytest.mark.engine, pytest.mark.slow]
 
@@ -100,6 +103,7 @@ def scenario_env(lab_site, target_image):
             "V100BOX_MODEL_SIZE": str(model["size_bytes"]),
             "V100BOX_SOURCE_SHA256": sha256_file(source),
             "V100BOX_APT_URL": apt_server.url,
+            "V100BOX_DRIVER_WINDOW": json.dumps(facts.driver_window()),
             "V100BOX_TARGET_IMAGE": target_image,
             "ANSIBLE_FORCE_COLOR": "0",
             "PY_COLORS": "0",

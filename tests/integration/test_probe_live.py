@@ -1,6 +1,6 @@
 """`controller probe` against a real Linux box: the lab's systemd container over real SSH.
 
-The container has no GPU, so a stand-in nvidia-smi (controller.lab.standin_smi, test harness only)
+The container has no GPU, so a stand-in nvidia-smi (lab.standin_smi, test harness only)
 prints a fixture machine's captured outputs; everything else (SSH, the probe script, /proc, df,
 os-release, the parsers, the CLI) is the real thing. Also: the provisioning refusal for a driver
 outside R570-R580, the probe's speed (under 3 s), and SSH host keys: recorded on first contact (or
@@ -20,12 +20,12 @@ import yaml
 
 from controller.errors import TransportError
 from controller.fleet import load_fleet
-from controller.lab import standin_smi
-from controller.lab.target import Target
 from controller.probe import parse_outputs
 from controller.probe.collect import probe_box
 from controller.runner import run_playbook
 from controller.transports.known_hosts import parse_public_key
+from lab import standin_smi
+from lab.target import Target
 from tests.cli import run_controller
 
 pytestmark = pytest.mark.podman

@@ -14,8 +14,8 @@ import httpx
 import pytest
 import yaml
 
-from controller.lab.fileserver import FileServer
-from controller.lab.target import free_port
+from lab.fileserver import FileServer
+from lab.target import free_port
 from tests.cli import REPO, run_controller
 
 pytestmark = [pytest.mark.podman, pytest.mark.engine, pytest.mark.slow]
@@ -103,8 +103,31 @@ def test_provision_serves_both_apis_then_converges(fleet_file, systemd_target):
 
     summary2, report2, done2 = run_json(fleet_file)
     assert done2.returncode == 0, done2.stdout[-3000:] + done2.stderr[-3000:]
-    assert summary2["hosts"]["lab1"]["changed"] == 0, [line for line in done2.stdout.splitlines() if '"changed"' in line]
+    changed = [line for line in done2.stdout.splitlines() if '"changed"' in line]
+    assert summary2["hosts"]["lab1"]["changed"] == 0, changed
     assert report2["verified"] is True
+
+
+def test_verify_checks_the_provisioned_box_again(fleet_file):
+    """`controller verify` runs verify.yml on the rendered box and prints what each server answered."""
+    report = json.loads((fleet_file.parent / "inventory" / "reports" / "lab1.json").read_text())
+    done = controller("verify", "lab1", "--fleet", str(fleet_file), "--json")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    summary = next(line for line in lines if line.get("type") == "summary")
+    assert summary["playbook"] == "verify.yml" and summary["hosts"]["lab1"]["changed"] == 0
+    (service,) = report["services"]
+    section = lines[-1]
+    assert set(section) == {service["name"]}
+    checked = section[service["name"]]
+    assert set(checked) == {"model", "port", "health", "served_ids", "openai", "anthropic", "auth"}
+    assert checked["health"] == "ok" and checked["served_ids"] == ["tiny-llama"]
+    assert checked["auth"] == {"required": True, "anonymous_status": 401, "wrong_key_status": 401}
+    assert API_KEY not in done.stdout + done.stderr
+
+    unrendered = controller("verify", "nobody", "--fleet", str(fleet_file))
+    assert unrendered.returncode == 1 and "has no rendered inventory for nobody" in unrendered.stderr
+    assert "Traceback" not in unrendered.stderr and len(unrendered.stderr.strip().splitlines()) == 1
 
 
 def test_secrets_never_reach_artifacts_inventory_or_output(fleet_file):

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from controller.lab import target as lab_target
+from lab import target as lab_target
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def run(argv: list[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, check=False, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(argv, check=False, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
 def port_answers(port: int) -> bool:
@@ -111,7 +111,7 @@ def test_sweeper_removes_targets_whose_owner_is_gone(target_image: str) -> None:
 
 def test_cli_up_status_down(target_image: str) -> None:
     name = f"v100box-target-cli-{secrets.token_hex(3)}"
-    python = [sys.executable, "-m", "controller.lab.target"]
+    python = [sys.executable, "-m", "lab.target_cli"]
     try:
         up = run([*python, "up", "--name", name], timeout=180)
         assert up.returncode == 0, up.stderr

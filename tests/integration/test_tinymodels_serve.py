@@ -8,8 +8,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from controller.lab.llama_server import serve
-from controller.lab.tinymodels import ARCHS, write_model
+from lab.llama_server import serve
+from lab.tinymodels import ARCHS, write_model
 
 pytestmark = pytest.mark.engine
 

@@ -1,4 +1,4 @@
-"""Fixtures for the systemd target container (controller.lab.target).
+"""Fixtures for the systemd target container (lab.target).
 
 Any test that uses one of these fixtures is marked ``podman`` at collection, so
 ``-m "not podman"`` deselects it. Without podman (or root) the fixtures skip on a workstation
@@ -12,7 +12,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from controller.lab import target as lab_target
+from lab import host as lab_host
+from lab import image as lab_image
+from lab import target as lab_target
 
 TARGET_FIXTURES = frozenset({"target_image", "systemd_target", "target_factory"})
 
@@ -33,10 +35,10 @@ def _unavailable(reason: str) -> None:
 def target_image() -> str:
     """The target image tag, built (debootstrap, minutes) or imported once per machine."""
     try:
-        lab_target.ensure_host_ready()
+        lab_host.ensure_host_ready()
         lab_target.cleanup_stale()  # leftovers of killed sessions hold ports and memory
-        return lab_target.ensure_image()
-    except lab_target.LabUnavailable as exc:
+        return lab_image.ensure_image()
+    except lab_host.LabUnavailable as exc:
         _unavailable(str(exc))
         raise  # unreachable: skip/fail raise
 

@@ -18,3 +18,14 @@ def test_filters_work_in_a_bare_jinja_environment():
     env = jinja2.Environment()
     env.filters.update(filters())
     assert env.from_string("{{ ['a b', 'c'] | systemd_command }}").render() == '"a b" "c"'
+
+
+def test_reachable_host_in_a_bare_jinja_environment():
+    env = jinja2.Environment()
+    env.filters.update(filters())
+    url = env.from_string("http://{{ bind | reachable_host }}:{{ port }}/health")
+    assert url.render(bind="0.0.0.0", port=8011) == "http://127.0.0.1:8011/health"
+    assert url.render(bind="::", port=8011) == "http://[::1]:8011/health"
+    assert url.render(bind="::1", port=1) == "http://[::1]:1/health"
+    assert url.render(bind="192.168.1.5", port=1) == "http://192.168.1.5:1/health"
+    assert url.render(bind="box.lan", port=1) == "http://box.lan:1/health"

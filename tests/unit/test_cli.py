@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.cli import REPO
+from tests.cli import REPO, invoke
 from tests.unit.clean_errors import assert_one_line_error
 
 # A command with a bug in it, added to the real CLI group, run through the real main().
@@ -43,3 +45,39 @@ def test_a_log_folder_that_cannot_be_written_still_gives_one_line(tmp_path):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
     assert_one_line_error(_crash(blocker), 70, "internal error: KeyError", "could not be saved")
+
+
+def _fleet(tmp_path: Path) -> Path:
+    fleet = tmp_path / "fleet.yml"
+    fleet.write_text("boxes:\n  box3:\n    address: 192.0.2.10\n")
+    return fleet
+
+
+def test_an_unverified_provision_prints_the_report_then_exits_6(tmp_path, monkeypatch):
+    from controller.runner import RunResult
+
+    report = {"verified": False, "services": []}
+    monkeypatch.setattr("controller.provision.provision",
+                        lambda fleet, box, inventory, progress: (report, RunResult("site.yml", "successful", 0, 1.0)))
+    result = invoke("provision", "box3", "--fleet", str(_fleet(tmp_path)), "--json")
+    assert result.exit_code == 6, result.output
+    assert json.loads(result.stdout.splitlines()[-1]) == {"type": "report", **report}
+    assert result.stderr.strip().splitlines() == ["error: box3: verification failed; the report says which server "
+                                                  "answered what"]
+
+
+def test_verify_without_a_rendered_inventory_is_one_line_and_exit_1(tmp_path):
+    result = invoke("verify", "box3", "--fleet", str(_fleet(tmp_path)))
+    assert result.exit_code == 1 and result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    assert "has no rendered inventory for box3" in line and "controller render box3" in line
+
+
+def test_demo_from_an_install_without_the_clone_says_so_in_one_line(tmp_path):
+    """An installed package (here: a copy of controller/ alone) has no lab/ beside it."""
+    shutil.copytree(REPO / "controller", tmp_path / "site" / "controller",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "site"))
+    done = subprocess.run([sys.executable, "-m", "controller", "demo"], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=60, check=False)
+    assert_one_line_error(done, 2, "controller demo runs from a clone", "no lab/ beside it")

@@ -6,7 +6,7 @@ import yaml
 from controller.catalog import load_catalog
 from controller.errors import CatalogError, FleetError, PlanError
 from controller.fleet import parse_fleet
-from controller.planner import plan_box
+from controller.planner import plan_box, plan_driver
 from controller.profile import Cpu, Gpu, HardwareProfile, OsInfo
 from controller.render import host_vars as render_host_vars
 from controller.render import render_box
@@ -79,8 +79,8 @@ def test_render_is_deterministic_and_holds_no_secrets(tmp_path, catalog, monkeyp
               api_key={"env": "BOX_API_KEY"}, key="/root/.ssh/id_ed25519", port=2222)
     box = f.box("box1")
     plan = plan_box(box, CPU_PROFILE, catalog)
-    first = {p.name: p.read_bytes() for p in render_box(tmp_path / "inv", f, box, CPU_PROFILE, plan, catalog)}
-    second = {p.name: p.read_bytes() for p in render_box(tmp_path / "inv", f, box, CPU_PROFILE, plan, catalog)}
+    first = {p.name: p.read_bytes() for p in render_box(tmp_path / "inv", f, box, CPU_PROFILE, plan)}
+    second = {p.name: p.read_bytes() for p in render_box(tmp_path / "inv", f, box, CPU_PROFILE, plan)}
     assert first == second
     everything = b"".join(first.values())
     assert b"sk-never-in-the-inventory" not in everything
@@ -88,7 +88,7 @@ def test_render_is_deterministic_and_holds_no_secrets(tmp_path, catalog, monkeyp
     assert host_vars["llama_engine_packs"] == [{
         "name": "cpu", "version": "0c1e570",
         "url": "https://127.0.0.1:1/engines/llama-cpu-0c1e570-linux-x86_64.tar.gz", "sha256": "",
-        "sha256sums_url": "https://127.0.0.1:1/engines/SHA256SUMS"}]
+        "sha256sums_url": "https://127.0.0.1:1/engines/SHA256SUMS", "nccl": False}]
     assert host_vars["gguf_model_files"][0]["url"] == "http://127.0.0.1:1/lab/r/resolve/main/t.gguf"
     assert host_vars["llama_service_bind"] == "0.0.0.0"
     hosts = yaml.safe_load(first["hosts.yml"])
@@ -106,11 +106,12 @@ def test_render_refuses_models_without_checksum_and_engines_without_mirror(tmp_p
     box = f.box("box1")
     plan = plan_box(box, v100_profile(), catalog)
     with pytest.raises(CatalogError, match="no sha256 pinned"):
-        render_box(tmp_path / "inv", f, box, v100_profile(), plan, catalog)
+        render_box(tmp_path / "inv", f, box, v100_profile(), plan)
     nomirror = parse_fleet({"boxes": {"box1": {"address": "127.0.0.1", "models": [{"id": "gemma4-26b-a4b-qat-q4_0"}]}}},
                            tmp_path / "f.yml")
     with pytest.raises(CatalogError, match="set mirror.engines"):
-        render_box(tmp_path / "inv2", nomirror, nomirror.box("box1"), v100_profile(), plan, catalog)
+        render_box(tmp_path / "inv2", nomirror, nomirror.box("box1"), v100_profile(),
+                   plan_box(nomirror.box("box1"), v100_profile(), catalog))
     assert not (tmp_path / "inv2" / "hosts.yml").exists()
 
 
@@ -132,7 +133,7 @@ def test_render_carries_a_split_service_env_and_engine_pack(tmp_path):
     box = f.box("box1")
     dual = profile(DUAL).model_copy(update={"os": OsInfo(family="linux")})
     plan = plan_box(box, dual, catalog)
-    paths = render_box(tmp_path / "inv", f, box, dual, plan, catalog)
+    paths = render_box(tmp_path / "inv", f, box, dual, plan)
     host_vars = yaml.safe_load(next(p for p in paths if p.name == "box1.yml").read_text())
     (instance,) = host_vars["llama_service_instances"]
     assert instance["engine"] == "upstream-nccl" and not instance["mlock"]
@@ -152,7 +153,7 @@ def test_render_marks_an_offloading_service_for_mlock(tmp_path):
     f = fleet(tmp_path, models=[{"id": "qwen3.6-35b-a3b-iq4_xs"}])
     box = f.box("box1")
     plan = plan_box(box, profile(SINGLE), catalog)
-    paths = render_box(tmp_path / "inv", f, box, profile(SINGLE), plan, catalog)
+    paths = render_box(tmp_path / "inv", f, box, profile(SINGLE), plan)
     (instance,) = yaml.safe_load(next(p for p in paths if p.name == "box1.yml").read_text())["llama_service_instances"]
     assert instance["engine"] == "ik" and instance["mlock"] and instance["args"][-2:] == ["--no-mmap", "--mlock"]
 
@@ -171,7 +172,7 @@ def test_a_driver_mirror_carries_its_signing_key_or_an_explicit_trust(tmp_path):
             ({"drivers_trusted": True}, "", True)):
         f = fleet(tmp_path, mirror=base | extra, models=[{"id": "qwen3.6-27b-q4_k_m"}], driver={"manage": False})
         box = f.box("box1")
-        hv = render_host_vars(box, plan_box(box, v100_profile(32768), catalog), catalog, v100_profile(32768))
+        hv = render_host_vars(box, v100_profile(32768), plan_box(box, v100_profile(32768), catalog))
         assert hv["nvidia_driver_repo_url"] == base["drivers"]
         assert (hv["nvidia_driver_repo_key_url"], hv["nvidia_driver_repo_trusted"]) == (key, trusted)
         assert hv["nvidia_driver_repo_key_fingerprint"] == ("EB693B3035CD5710E231E123A4B469963BF863CC" if key else "")
@@ -185,11 +186,12 @@ def test_a_box_without_models_renders_only_the_driver_and_drops_an_old_plan(tmp_
     with_model = fleet(tmp_path, models=[{"id": "qwen3.6-27b-q4_k_m"}])
     box = with_model.box("box1")
     inventory = tmp_path / "inv"
-    render_box(inventory, with_model, box, v100_profile(32768), plan_box(box, v100_profile(32768), catalog), catalog)
+    render_box(inventory, with_model, box, v100_profile(32768), plan_box(box, v100_profile(32768), catalog))
     assert (inventory / "plans" / "box1.json").is_file()
 
     bare = fleet(tmp_path)
-    render_box(inventory, bare, bare.box("box1"), v100_profile(32768), None, catalog)
+    render_box(inventory, bare, bare.box("box1"), v100_profile(32768), None,
+               plan_driver(bare.box("box1"), v100_profile(32768), catalog))
     assert not (inventory / "plans" / "box1.json").exists()
     hv = yaml.safe_load((inventory / "host_vars" / "box1.yml").read_text())
     assert hv["ansible_python_interpreter"] == "/usr/bin/python3"

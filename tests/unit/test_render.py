@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from controller.catalog import load_catalog
 from controller.fleet import parse_fleet
-from controller.planner import plan_box
+from controller.planner import plan_box, plan_driver
 from controller.profile import Cpu, Disk, Driver, Gpu, HardwareProfile, NvLink, OsInfo
 from controller.render import read_rendered, render_box
 
@@ -123,7 +123,7 @@ def test_probed_and_catalog_text_reaches_ansible_verbatim(tmp_path):
         box, profile = fleet.box(name), _profile(template, os_family)
         plan = plan_box(box, profile, catalog)
         assert plan.fits, plan.unplaced
-        render_box(inventory, fleet, box, profile, plan, catalog)
+        render_box(inventory, fleet, box, profile, plan)
         rendered[name] = read_rendered((inventory / "host_vars" / f"{name}.yml").read_text())
     assert "!unsafe" in (inventory / "host_vars" / "lin1.yml").read_text()
     assert "Tesla V100-SXM2-16GB" in (inventory / "host_vars" / "lin1.yml").read_text()  # plain text stays plain
@@ -138,9 +138,9 @@ def test_probed_and_catalog_text_reaches_ansible_verbatim(tmp_path):
     assert instance["args"][-1] == template  # the engine's load flags
     assert lin["gguf_model_files"][0]["url"] == f"https://hub.example/{url_template}/lab/tiny/resolve/main/tiny.gguf"
     assert lin["ansible_user"] == f"ops{url_template}"
-    assert win["win_nvidia_driver_gpus"][0]["name"] == f"Tesla V100-SXM2-16GB {template}"
-    assert win["win_nvidia_driver_url"] == f"https://driver.example/{url_template}"
-    assert win["win_llama_service_instances"][0]["args"][-1] == template
+    assert win["nvidia_driver_gpus"][0]["name"] == f"Tesla V100-SXM2-16GB {template}"
+    assert win["nvidia_driver_installer"]["url"] == f"https://driver.example/{url_template}"
+    assert win["llama_service_instances"][0]["args"][-1] == template
     # Ansible saw exactly what the controller wrote, for every variable the controller wrote.
     for name, host_vars in rendered.items():
         for key, value in host_vars.items():
@@ -161,7 +161,7 @@ def test_a_damaged_probe_of_another_box_does_not_stop_this_render(tmp_path, caps
     profile = HardwareProfile(gpus=[Gpu(index=0, name="Tesla V100-PCIE-16GB", memory_mib=16384)],
                               os=OsInfo(family="linux"))
 
-    render_box(inventory, fleet, fleet.box("a1"), profile, None, load_catalog())
+    render_box(inventory, fleet, fleet.box("a1"), profile, None, plan_driver(fleet.box("a1"), profile, load_catalog()))
 
     groups = read_rendered((inventory / "hosts.yml").read_text())["all"]["children"]
     assert set(groups["single_v100_16g"]["hosts"]) == {"a1"}
@@ -177,7 +177,8 @@ def test_plain_ansible_checks_the_host_keys_the_controller_recorded(tmp_path):
                                    "c3": {"address": "192.0.2.7", "os": "windows", "transport": "winrm"}}},
                         tmp_path / "fleet.yml")
     inventory = tmp_path / "my inventory"
-    render_box(inventory, fleet, fleet.box("a1"), HardwareProfile(), None, load_catalog())
+    box = fleet.box("a1")
+    render_box(inventory, fleet, box, HardwareProfile(), None, plan_driver(box, HardwareProfile(), load_catalog()))
 
     hosts = read_rendered((inventory / "hosts.yml").read_text())["all"]["children"]
     ssh_args = hosts["linux"]["hosts"]["a1"]["ansible_ssh_common_args"]

@@ -10,7 +10,7 @@ import yaml
 
 from controller.catalog import load_catalog
 from controller.errors import CatalogError
-from controller.lab.site import LAB_ENGINE, PACK_NAME, pinned_engine
+from lab.site import LAB_ENGINE, PACK_NAME, pinned_engine
 from tests.unit.tiny_box import tiny_box_vars, tiny_catalog_file
 
 SHA = "ab" * 32

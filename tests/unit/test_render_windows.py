@@ -38,28 +38,28 @@ def _render(tmp_path, fleet, machine, catalog):
     box = fleet.box("win1")
     hw = profile(machine)
     plan = plan_box(box, hw, catalog)
-    paths = render_box(tmp_path / "inv", fleet, box, hw, plan, catalog)
+    paths = render_box(tmp_path / "inv", fleet, box, hw, plan)
     return plan, yaml.safe_load(next(p for p in paths if p.name == "win1.yml").read_text())
 
 
 def test_dual_card_windows_box_gets_nccl_pack_winsw_and_driver(tmp_path):
     catalog = _catalog(tmp_path)
     plan, hv = _render(tmp_path, _fleet(tmp_path, models=[{"id": "qwen3.6-27b-q4_k_m", "agents": 4}]), DUAL, catalog)
-    assert not any(key.startswith(("llama_", "gguf_", "nvidia_driver_")) for key in hv), "Linux role inputs leaked"
-    (pack,) = hv["win_llama_engine_packs"]
+    assert "ansible_python_interpreter" not in hv and "nvidia_driver_branch" not in hv, "Linux-only inputs leaked"
+    (pack,) = hv["llama_engine_packs"]
     assert pack["url"].endswith("-windows-x86_64-cuda12.8-sm70.zip") and pack["nccl"] is True
-    (instance,) = hv["win_llama_service_instances"]
-    assert instance["env"]["GGML_CUDA_ALLREDUCE"] == "nccl" and hv["win_llama_verify_nccl"] is True
+    (instance,) = hv["llama_service_instances"]
+    assert instance["env"]["GGML_CUDA_ALLREDUCE"] == "nccl" and hv["llama_verify_nccl"] is True
     assert instance["version"] == "02182fc" and instance["engine"] == "upstream-nccl"
     model = instance["args"][instance["args"].index("--model") + 1]
     assert model == "C:\\llama\\models\\" + catalog.model("qwen3.6-27b-q4_k_m").file
-    assert hv["win_llama_service_winsw"] == {"version": "2.12.0", "url": "https://127.0.0.1:1/engines/WinSW-x64.exe",
+    assert hv["llama_service_winsw"] == {"version": "2.12.0", "url": "https://127.0.0.1:1/engines/WinSW-x64.exe",
                                              "sha256": WINSW_SHA}
-    assert hv["win_nvidia_driver_version"] == "573.96" and hv["win_nvidia_driver_sha256"] == DRIVER_SHA
-    assert hv["win_nvidia_driver_url"].endswith("/573.96/573.96-data-center-tesla-desktop-win10-win11-64bit-dch-"
+    assert hv["nvidia_driver_installer"]["version"] == "573.96" and hv["nvidia_driver_installer"]["sha256"] == DRIVER_SHA
+    assert hv["nvidia_driver_installer"]["url"].endswith("/573.96/573.96-data-center-tesla-desktop-win10-win11-64bit-dch-"
                                                 "international.exe")
-    assert hv["win_nvidia_driver_mode"] == "tcc" and hv["win_nvidia_driver_allow_reboot"] is False
-    assert [gpu["driver_model"] for gpu in hv["win_nvidia_driver_gpus"]] == ["TCC", "TCC"]
+    assert hv["nvidia_driver_mode"] == "tcc" and hv["nvidia_driver_allow_reboot"] is False
+    assert [gpu["driver_model"] for gpu in hv["nvidia_driver_gpus"]] == ["TCC", "TCC"]
     assert plan.services[0].engine == "upstream-nccl-02182fc"
 
 
@@ -68,12 +68,12 @@ def test_templates_and_forward_slash_model_dirs_become_windows_paths(tmp_path):
     fleet = _fleet(tmp_path, model_dir="D:/llm/models", models=[{"id": "gemma4-26b-a4b-qat-q4_0"}],
                    mirror={"engines": "https://127.0.0.1:1/e", "models": "http://127.0.0.1:1", "drivers": "http://m/d"})
     _, hv = _render(tmp_path, fleet, SINGLE, catalog)
-    (instance,) = hv["win_llama_service_instances"]
+    (instance,) = hv["llama_service_instances"]
     args = instance["args"]
     assert args[args.index("--chat-template-file") + 1] == "C:\\llama\\templates\\gemma4-nothink.jinja"
     assert args[args.index("--model") + 1].startswith("D:\\llm\\models\\")
-    assert hv["win_gguf_model_dir"] == "D:\\llm\\models"
-    assert hv["win_nvidia_driver_url"] == "http://m/d/573.96-data-center-tesla-desktop-win10-win11-64bit-dch-" \
+    assert hv["gguf_model_dir"] == "D:\\llm\\models"
+    assert hv["nvidia_driver_installer"]["url"] == "http://m/d/573.96-data-center-tesla-desktop-win10-win11-64bit-dch-" \
                                           "international.exe"
 
 
@@ -88,7 +88,7 @@ def test_wsl2_box_asks_for_mcdm_and_the_report_says_it_is_slower(tmp_path):
     catalog = _catalog(tmp_path)
     fleet = _fleet(tmp_path, models=[{"id": "gemma4-26b-a4b-qat-q4_0"}], driver={"wsl2": True})
     plan, hv = _render(tmp_path, fleet, SINGLE, catalog)
-    assert hv["win_nvidia_driver_mode"] == "mcdm"
+    assert hv["nvidia_driver_mode"] == "mcdm"
     report = build_report(fleet.box("win1"), profile(SINGLE), plan, None, {}, 0.1)
     assert MCDM_NOTE in report["driver"]["notes"]
 
@@ -102,7 +102,7 @@ def test_windows_box_without_v100_is_refused_for_want_of_a_windows_cpu_build(tmp
     plan = plan_box(box, cpu_box, catalog)
     assert plan.services, plan.unplaced
     with pytest.raises(CatalogError, match="no release pack for windows-x86_64"):  # the CPU build is Linux-only
-        render_box(tmp_path / "inv", fleet, box, cpu_box, plan, catalog)
+        render_box(tmp_path / "inv", fleet, box, cpu_box, plan)
 
 
 @pytest.mark.parametrize("path", ["\\\\wsl$\\Ubuntu\\models", "\\\\nas\\share\\models", "//nas/models"])
@@ -121,6 +121,6 @@ def test_an_exposed_windows_box_opens_its_firewall_only_to_the_fleets_networks(t
     fleet = _fleet(tmp_path, models=[{"id": "gemma4-26b-a4b-qat-q4_0"}], bind="0.0.0.0",
                    allow_from=["192.168.1.0/24", "10.0.0.7"], api_key={"env": "WIN1_API_KEY"})
     _, hv = _render(tmp_path, fleet, SINGLE, catalog)
-    assert hv["win_llama_service_bind"] == "0.0.0.0"
-    assert hv["win_llama_service_allow_from"] == ["192.168.1.0/24", "10.0.0.7/32"]
-    assert "win_llama_service_api_key" not in hv  # a secret: passed to Ansible at run time, never written here
+    assert hv["llama_service_bind"] == "0.0.0.0"
+    assert hv["llama_service_allow_from"] == ["192.168.1.0/24", "10.0.0.7/32"]
+    assert "llama_service_api_key" not in hv  # a secret: passed to Ansible at run time, never written here

@@ -1,29 +1,118 @@
-"""Every role default is documented in meta/argument_specs.yml with the same default, and vice versa."""
+"""One role per concern for both OSes, each documenting its variables once, and none restating a fact that the
+controller owns (controller/facts.py): those reach the roles through the inventory."""
 
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
-ROLES = sorted(path.parent.parent for path in Path(__file__).resolve().parents[2].glob("roles/*/defaults/main.yml"))
+from controller import facts
+
+ROOT = Path(__file__).resolve().parents[2]
+ROLE_NAMES = ["gguf_model", "llama_engine", "llama_service", "llama_verify", "nvidia_driver"]
+ROLES = [ROOT / "roles" / name for name in ROLE_NAMES]
+# Variables whose values are facts of controller/facts.py: the inventory carries them, no role defaults them.
+FACT_VARIABLES = {
+    "nvidia_driver": {"nvidia_driver_window", "nvidia_driver_installer"},
+    "gguf_model": {"gguf_model_dir"},
+    "llama_service": {"llama_service_template_dir"},
+}
 
 
-@pytest.mark.parametrize("role", ROLES, ids=[role.name for role in ROLES])
+def _options(role: Path) -> dict:
+    return yaml.safe_load((role / "meta/argument_specs.yml").read_text())["argument_specs"]["main"]["options"]
+
+
+def test_one_role_per_concern():
+    assert sorted(path.name for path in (ROOT / "roles").iterdir() if path.is_dir()) == ROLE_NAMES
+
+
+@pytest.mark.parametrize("role", ROLES, ids=ROLE_NAMES)
 def test_defaults_and_argument_specs_agree(role: Path):
     defaults = yaml.safe_load((role / "defaults/main.yml").read_text()) or {}
-    options = yaml.safe_load((role / "meta/argument_specs.yml").read_text())["argument_specs"]["main"]["options"]
-    assert set(defaults) == set(options), "defaults and argument specs name different variables"
-    for name, value in defaults.items():
-        spec = options[name]
+    options = _options(role)
+    assert set(defaults) <= set(options), f"{set(defaults) - set(options)} have no argument spec"
+    for name, spec in options.items():
         assert spec.get("description"), f"{name} has no description"
-        assert spec.get("default") == value, f"{name}: default {value!r} but the spec says {spec.get('default')!r}"
         assert name.startswith(role.name + "_"), f"{name} lacks the role prefix"
+        if name in defaults:
+            assert spec.get("default") == defaults[name], f"{name}: default {defaults[name]!r} but the spec says " \
+                                                          f"{spec.get('default')!r}"
+        else:
+            # Given by the inventory only: the spec names no default either.
+            assert "default" not in spec, f"{name} has a default in its spec but none in defaults/main.yml"
 
 
-def test_every_role_has_a_molecule_scenario_and_readme():
-    for role in ROLES:
-        assert (role / "README.md").is_file(), role.name
-        assert (role / "meta" / "argument_specs.yml").is_file(), role.name
-        # No Windows target exists here: win_* roles are tested by rendering their artefacts (tests/unit/windows).
-        if not role.name.startswith("win_"):
-            assert (role / "molecule" / "default" / "molecule.yml").is_file(), role.name
+@pytest.mark.parametrize("role", ROLES, ids=ROLE_NAMES)
+def test_fact_variables_come_from_the_inventory_only(role: Path):
+    defaults = yaml.safe_load((role / "defaults/main.yml").read_text()) or {}
+    options = _options(role)
+    for name in FACT_VARIABLES.get(role.name, set()):
+        assert name in options, f"{name} is not in {role.name}'s argument spec"
+        assert name not in defaults and "default" not in options[name], f"{role.name} defaults {name}"
+    for name in ("nvidia_driver_window", "gguf_model_dir", "llama_service_template_dir"):
+        if name in options:
+            assert options[name].get("required") is True, f"{name} must be required"
+
+
+FACT_TEXTS = sorted({
+    str(facts.DRIVER_FIRST_MAJOR), str(facts.DRIVER_LAST_MAJOR), *map(str, facts.DRIVER_BRANCHES),
+    facts.WINDOWS_DRIVER, *facts.DEFAULT_MODEL_DIR.values(),
+})
+
+
+def _defaults_and_vars_files() -> list[Path]:
+    return sorted(path for role in ROLES for folder in ("defaults", "vars") for path in (role / folder).glob("*"))
+
+
+def _restated(text: str) -> list[str]:
+    found = []
+    for fact in FACT_TEXTS:
+        if fact.isdigit():
+            if re.search(rf"(?<![0-9]){fact}(?![0-9])", text):
+                found.append(fact)
+        elif fact.lower() in text.lower().replace("\\\\", "\\"):
+            found.append(fact)
+    return found
+
+
+@pytest.mark.parametrize("path", _defaults_and_vars_files(), ids=lambda p: f"{p.parent.parent.name}/{p.parent.name}/{p.name}")
+def test_no_role_restates_a_fact_of_the_controller(path: Path):
+    assert _restated(path.read_text()) == [], f"{path} restates a fact of controller/facts.py"
+
+
+def test_the_fact_check_catches_a_restated_fact():
+    assert _restated("_nvidia_driver_branch_max: 580\n") == ["580"]
+    assert _restated("x: 573.96") == ["573.96"]
+    assert _restated("gguf_model_dir: /var/lib/llama/models") == ["/var/lib/llama/models"]
+    assert _restated("gguf_model_dir: 'C:\\LLAMA\\models'") == ["C:\\llama\\models"]
+    assert _restated("nvidia_driver_reboot_timeout: 1800\nport: 15800") == []
+
+
+def _task_files() -> list[Path]:
+    return sorted(path for role in ROLES for path in [*role.glob("tasks/*.yml"), *role.glob("templates/*")])
+
+
+def test_roles_pick_v100s_by_the_controllers_decision_and_name_the_window_by_its_label():
+    for path in _task_files():
+        text = path.read_text()
+        assert not re.search(r"search'?, '?V100", text), f"{path} finds V100s by name; use selectattr('is_v100')"
+        assert not re.search(r"R(570|580|589)(?![0-9])", text), f"{path} spells a driver branch; use nvidia_driver_window.label"
+
+
+def test_urls_built_from_the_bind_use_the_reachable_host_filter():
+    for path in _task_files():
+        text = path.read_text()
+        assert "in ['0.0.0.0', '::']" not in text, f"{path} re-derives the reachable host; use | reachable_host"
+
+
+@pytest.mark.parametrize("role", ROLES, ids=ROLE_NAMES)
+def test_each_role_dispatches_by_os_and_has_docs_and_a_scenario(role: Path):
+    assert (role / "README.md").is_file() and (role / "meta" / "argument_specs.yml").is_file()
+    assert (role / "molecule" / "default" / "molecule.yml").is_file()
+    main = (role / "tasks" / "main.yml").read_text()
+    assert "os_family" in main or "windows" in main, f"{role.name}'s main.yml does not pick the OS's tasks"
+    assert (role / "tasks" / "windows.yml").is_file() or list(role.glob("tasks/windows-*.yml"))
+    platforms = {p["name"] for p in yaml.safe_load((role / "meta/main.yml").read_text())["galaxy_info"]["platforms"]}
+    assert "Windows" in platforms and "Debian" in platforms

@@ -22,7 +22,7 @@ LOCK = PROJECT / "requirements.lock"
 PIP_LOCK = PROJECT / "requirements-pip.lock"
 COLLECTIONS = PROJECT / "collections" / "requirements.yml"
 # <namespace>.<collection>.<plugin>, for every namespace but ansible.builtin's.
-FQCN = re.compile(r"\b((?:ansible\.(?!builtin\b)|community\.|containers\.)[a-z_]+)\.[a-z_]+\b")
+FQCN = re.compile(r"\b((?:ansible\.(?!builtin\b|plugins\b|module_utils\b)|community\.|containers\.)[a-z_]+)\.[a-z_]+\b")  # not ansible-core's own packages
 
 
 def locked(path: Path) -> dict[str, tuple[str, list[str]]]:

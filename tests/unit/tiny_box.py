@@ -28,4 +28,4 @@ def tiny_box_vars(folder: Path, catalog: Catalog, **box: Any) -> dict[str, Any]:
     """host_vars of box ``box1`` (address 127.0.0.1 plus ``box``), planned on CPU_PROFILE."""
     fleet = parse_fleet({"boxes": {"box1": {"address": "127.0.0.1", **box}}}, folder / "fleet.yml")
     target = fleet.box("box1")
-    return host_vars(target, plan_box(target, CPU_PROFILE, catalog), catalog, CPU_PROFILE)
+    return host_vars(target, CPU_PROFILE, plan_box(target, CPU_PROFILE, catalog))

@@ -6,11 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from controller.cli_estimate import estimate
-from controller.lab.fileserver import FileServer
-from controller.lab.tinymodels import write_gguf, write_model
+from lab.fileserver import FileServer
+from lab.tinymodels import write_gguf, write_model
+from tests.cli import invoke
 
 CONTRACT = {
     "model": {"arch", "n_layer", "n_ctx_train", "params", "file_type", "size_bytes"},
@@ -22,7 +21,7 @@ DEVICE_KEYS = {"name", "weights_mib", "kv_mib", "compute_mib", "total_mib"}
 
 
 def run(*args: str) -> tuple[int, str]:
-    result = CliRunner().invoke(estimate, list(args))
+    result = invoke("estimate", *args)
     return result.exit_code, result.output
 
 

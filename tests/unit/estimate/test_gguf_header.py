@@ -13,8 +13,8 @@ import pytest
 
 from controller.errors import ControllerError
 from controller.estimate.gguf_header import GGUFHeaderError, read_header
-from controller.lab.fileserver import FileServer
-from controller.lab.tinymodels import write_model
+from lab.fileserver import FileServer
+from lab.tinymodels import write_model
 from tests.cli import run_controller
 from tests.unit.clean_errors import assert_one_line_error
 

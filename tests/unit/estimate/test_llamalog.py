@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from controller.cli_estimate import estimate_model
 from controller.estimate.llamalog import context_settings, header_metadata, parse_log
-from controller.lab.tinymodels import write_gguf
+from controller.estimate.source import estimate_model
+from lab.tinymodels import write_gguf
 
 # log -> (engine, KV MiB the engine reported); the engines the product runs (upstream, ik_llama.cpp)
 TARGETED = {

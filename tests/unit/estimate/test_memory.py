@@ -22,7 +22,7 @@ from controller.estimate.memory import (
     weights_per_device,
 )
 from controller.estimate.model import model_spec
-from controller.lab.tinymodels import TensorSpec, write_gguf, write_model
+from lab.tinymodels import TensorSpec, write_gguf, write_model
 
 
 def spec_of(path: Path):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.lab.fileserver import FileServer
+from lab.fileserver import FileServer
 
 DATA = os.urandom(3 << 20)
 

@@ -1,4 +1,5 @@
-"""The host-editing and image-shaping parts of controller.lab.target that need no podman."""
+"""The lab target's host editing (lab.host), image shaping (lab.image) and container bookkeeping (lab.target)
+that need no podman."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from controller.lab import target
-from controller.lab.target import LabError, Target
+from lab import host, image, target
+from lab.host import LabError
+from lab.target import Target
 
 
 def ulimits_of(path: Path) -> list[str]:
@@ -21,9 +23,9 @@ def ulimits_of(path: Path) -> list[str]:
 
 def test_ulimits_are_written_into_a_missing_file(tmp_path: Path) -> None:
     conf = tmp_path / "containers.conf"
-    assert target.ensure_default_ulimits(conf) is True
+    assert host.ensure_default_ulimits(conf) is True
     assert ulimits_of(conf) == ["nofile=20000:20000", "nproc=32768:32768"]
-    assert target.ensure_default_ulimits(conf) is False  # second run changes nothing
+    assert host.ensure_default_ulimits(conf) is False  # second run changes nothing
 
 
 def test_ulimits_merge_keeps_the_rest_of_the_file(tmp_path: Path) -> None:
@@ -42,7 +44,7 @@ def test_ulimits_merge_keeps_the_rest_of_the_file(tmp_path: Path) -> None:
         'cgroup_manager = "cgroupfs"\n'
     )
     conf.write_text(original)
-    assert target.ensure_default_ulimits(conf) is True
+    assert host.ensure_default_ulimits(conf) is True
     parsed = tomllib.loads(conf.read_text())
     assert parsed["containers"]["default_ulimits"] == [
         "core=-1:-1", "nofile=20000:20000", "nproc=32768:32768",
@@ -51,13 +53,13 @@ def test_ulimits_merge_keeps_the_rest_of_the_file(tmp_path: Path) -> None:
     assert parsed["containers"]["pids_limit"] == 2048
     assert parsed["engine"] == {"cgroup_manager": "cgroupfs"}
     assert conf.read_text().startswith("# operator's notes stay\n")
-    assert target.ensure_default_ulimits(conf) is False
+    assert host.ensure_default_ulimits(conf) is False
 
 
 def test_ulimits_go_into_an_existing_containers_table(tmp_path: Path) -> None:
     conf = tmp_path / "containers.conf"
     conf.write_text('[engine]\nruntime = "crun"\n\n[containers]\nuserns = "host"\n')
-    target.ensure_default_ulimits(conf)
+    host.ensure_default_ulimits(conf)
     parsed = tomllib.loads(conf.read_text())
     assert parsed["containers"]["userns"] == "host"
     assert parsed["containers"]["default_ulimits"][-2:] == ["nofile=20000:20000", "nproc=32768:32768"]
@@ -68,7 +70,7 @@ def test_invalid_containers_conf_is_reported_not_overwritten(tmp_path: Path) -> 
     conf = tmp_path / "containers.conf"
     conf.write_text("[containers\nbroken")
     with pytest.raises(LabError, match="not valid TOML"):
-        target.ensure_default_ulimits(conf)
+        host.ensure_default_ulimits(conf)
     assert conf.read_text() == "[containers\nbroken"
 
 
@@ -83,21 +85,21 @@ def test_mirror_comes_from_the_hosts_apt_sources(tmp_path: Path, monkeypatch: py
         "Types: deb\nURIs: http://mirror.invalid/debian-security\n"
         "Suites: bookworm-security\nComponents: main\n"
     )
-    entries = target.apt_source_entries(tmp_path)
+    entries = image.apt_source_entries(tmp_path)
     assert ("http://vendor.invalid/apt", ["cloud-sdk-bookworm"], ["main"]) in entries
     assert ("http://mirror.invalid/debian", ["bookworm", "bookworm-updates"], ["main"]) in entries
-    monkeypatch.setattr(target, "apt_source_entries", lambda: entries)
-    monkeypatch.delenv(target.MIRROR_ENV, raising=False)
-    assert target.debian_mirror() == "http://mirror.invalid/debian"
-    monkeypatch.setenv(target.MIRROR_ENV, "http://override.invalid/debian")
-    assert target.debian_mirror() == "http://override.invalid/debian"
+    monkeypatch.setattr(image, "apt_source_entries", lambda: entries)
+    monkeypatch.delenv(image.MIRROR_ENV, raising=False)
+    assert image.debian_mirror() == "http://mirror.invalid/debian"
+    monkeypatch.setenv(image.MIRROR_ENV, "http://override.invalid/debian")
+    assert image.debian_mirror() == "http://override.invalid/debian"
 
 
 def test_missing_mirror_names_the_variable_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(target, "apt_source_entries", list)
-    monkeypatch.delenv(target.MIRROR_ENV, raising=False)
-    with pytest.raises(LabError, match=target.MIRROR_ENV):
-        target.debian_mirror()
+    monkeypatch.setattr(image, "apt_source_entries", list)
+    monkeypatch.delenv(image.MIRROR_ENV, raising=False)
+    with pytest.raises(LabError, match=image.MIRROR_ENV):
+        image.debian_mirror()
 
 
 def fake_debootstrap_tree(root: Path) -> None:
@@ -117,7 +119,7 @@ def fake_debootstrap_tree(root: Path) -> None:
 
 def test_configured_rootfs_boots_quiet_and_leaves_sshd_to_the_target(tmp_path: Path) -> None:
     fake_debootstrap_tree(tmp_path)
-    target.configure_rootfs(tmp_path)
+    image.configure_rootfs(tmp_path)
     system = tmp_path / "etc/systemd/system"
     assert os.readlink(system / "systemd-sysctl.service") == "/dev/null"
     assert os.readlink(system / "getty.target") == "/dev/null"
@@ -132,9 +134,9 @@ def test_configured_rootfs_boots_quiet_and_leaves_sshd_to_the_target(tmp_path: P
 
 
 def test_image_key_follows_the_package_list(monkeypatch: pytest.MonkeyPatch) -> None:
-    before = target.image_key()
-    monkeypatch.setattr(target, "PACKAGES", (*target.PACKAGES, "strace"))
-    assert target.image_key() != before
+    before = image.image_key()
+    monkeypatch.setattr(image, "PACKAGES", (*image.PACKAGES, "strace"))
+    assert image.image_key() != before
 
 
 def test_injected_files_authorize_the_key_and_pin_the_port() -> None:
@@ -163,5 +165,5 @@ def test_owner_token_is_alive_only_while_its_process_lives() -> None:
 
 def test_missing_podman_names_the_packages(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", "/nonexistent")
-    with pytest.raises(target.LabUnavailable, match="apt-get install podman crun netavark debootstrap"):
-        target.require_tools("podman")
+    with pytest.raises(host.LabUnavailable, match="apt-get install podman crun netavark debootstrap"):
+        host.require_tools("podman")

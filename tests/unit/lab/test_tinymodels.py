@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import pytest
 
-from controller.lab.tinymodels import ARCHS, FILE_TYPES, SPECIAL_TOKENS, build_vocab, write_model
+from lab.tinymodels import ARCHS, FILE_TYPES, SPECIAL_TOKENS, build_vocab, write_model
 
 
 def _field(reader: gguf.GGUFReader, key: str):

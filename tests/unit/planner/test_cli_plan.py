@@ -7,11 +7,9 @@ import socket
 
 import pytest
 import yaml
-from click.testing import CliRunner
 
-from controller.cli_plan import plan
-from controller.lab.tinymodels import write_model
-from tests.cli import run_controller
+from lab.tinymodels import write_model
+from tests.cli import invoke, run_controller
 from tests.unit.clean_errors import assert_one_line_error
 from tests.unit.planner.helpers import CPU_ONLY, DUAL, SINGLE, TWELVE, profile
 
@@ -21,7 +19,7 @@ SERVICE_KEYS = {"model", "engine", "gpus", "split_mode", "ctx", "parallel", "kv_
 
 
 def _invoke(*args: str):
-    return CliRunner().invoke(plan, list(args), catch_exceptions=False)
+    return invoke("plan", *args)
 
 
 @pytest.fixture
@@ -39,7 +37,7 @@ def test_profile_form_prints_the_plan_contract(saved):
                      "--agents", "2", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert set(data) == {"fits", "services", "unplaced"}
+    assert {"fits", "services", "unplaced"} <= set(data)  # the contract: extended, never renamed
     assert data["fits"] is False  # the 27B needs both cards, so Gemma finds none free
     (service,) = data["services"]
     assert SERVICE_KEYS <= set(service) and service["model"] == "qwen3.6-27b-q4_k_m"
@@ -102,23 +100,23 @@ def test_box_form_probes_the_box_and_plans_its_fleet_models(tmp_path):
     (("--profile", "p.json", "--model", "m", "--header", "nope"), "expected ID=PATH_OR_URL"),
 ])
 def test_usage_errors_say_what_to_give(args, message):
-    result = CliRunner().invoke(plan, list(args))
+    result = _invoke(*args)
     assert result.exit_code == 2 and message in result.output
 
 
 def test_bad_inputs_exit_2_with_the_reason(saved, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"gpus": [{"index": 0}]}))
-    result = CliRunner().invoke(plan, ["--profile", str(bad), "--model", "qwen3.6-35b-a3b-q6_k"])
+    result = _invoke("--profile", str(bad), "--model", "qwen3.6-35b-a3b-q6_k")
     assert result.exit_code == 2 and "not a `controller probe --json` profile: gpus.0.name" in result.output
-    result = CliRunner().invoke(plan, ["--profile", saved(SINGLE), "--model", "no-such-model"])
+    result = _invoke("--profile", saved(SINGLE), "--model", "no-such-model")
     assert result.exit_code == 2 and "unknown model id 'no-such-model'" in result.output
-    result = CliRunner().invoke(plan, ["--profile", saved(SINGLE), "--model", str(tmp_path / "missing.gguf")])
+    result = _invoke("--profile", saved(SINGLE), "--model", str(tmp_path / "missing.gguf"))
     assert result.exit_code == 2 and "missing.gguf" in result.output
 
 
 def test_an_unknown_architecture_is_planned_with_what_could_not_be_checked(saved, tmp_path):
-    from controller.lab.tinymodels import write_gguf
+    from lab.tinymodels import write_gguf
 
     path = write_gguf(tmp_path / "mystery.gguf", "mystery", {
         "mystery.block_count": 4, "mystery.embedding_length": 256, "mystery.attention.head_count": 4,
@@ -131,7 +129,7 @@ def test_an_unknown_architecture_is_planned_with_what_could_not_be_checked(saved
 def test_a_file_that_is_not_a_gguf_is_refused(saved, tmp_path):
     fake = tmp_path / "fake.gguf"
     fake.write_bytes(b"<html>not a model</html>" * 10)
-    result = CliRunner().invoke(plan, ["--profile", saved(SINGLE), "--model", str(fake)])
+    result = _invoke("--profile", saved(SINGLE), "--model", str(fake))
     assert result.exit_code == 2 and "fake.gguf" in result.output
 
 

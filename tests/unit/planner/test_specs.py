@@ -10,8 +10,8 @@ from controller.errors import CatalogError
 from controller.estimate.gguf_header import read_header
 from controller.estimate.memory import estimate, resolve_settings
 from controller.estimate.model import is_expert_tensor, model_spec
-from controller.lab.tinymodels import write_model
 from controller.planner.specs import SizedMemory, SpecMemory, memory_model, spec_from_hparams
+from lab.tinymodels import write_model
 from tests.unit.planner.helpers import catalog
 
 ISSUE_IDS = {"gemma4-26b-a4b-qat-q4_0", "qwen3.6-35b-a3b-iq4_xs", "qwen3.6-35b-a3b-q6_k", "qwen3.6-27b-q4_k_m",

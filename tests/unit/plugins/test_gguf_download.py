@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from controller.lab.fileserver import FileServer
+from lab.fileserver import FileServer
 
 MODULE_PATH = Path(__file__).resolve().parents[3] / "plugins" / "modules" / "gguf_download.py"
 TOKEN = "hf_TESTtoken0123456789abcdef"
@@ -332,25 +332,19 @@ def test_token_is_required_and_sent_over_https(tls_token_server: FileServer, mod
     assert _gets(tls_token_server)[-1].authorized
 
 
-def test_token_is_never_sent_over_plain_http(token_server: FileServer, model: Model, tmp_path: Path) -> None:
-    params = _params(token_server, model, tmp_path / "models", token=TOKEN, token_hosts=["127.0.0.1"])
+@pytest.mark.parametrize("server_name, token_hosts, refusal", [
+    ("token_server", ["127.0.0.1"], "HTTP 401.*only over https"),  # never over plain HTTP, even to a named host
+    ("tls_token_server", None, "HTTP 401"),  # not to a host the fleet did not name (default: only huggingface.co)
+])
+def test_token_is_withheld(request, server_name: str, token_hosts: list[str] | None, refusal: str, model: Model,
+                           tmp_path: Path) -> None:
+    server: FileServer = request.getfixturevalue(server_name)
+    named = {"token_hosts": token_hosts} if token_hosts else {}
 
-    with pytest.raises(gd.DownloadError, match="HTTP 401.*only over https"):
-        gd.ensure(params)
+    with pytest.raises(gd.DownloadError, match=refusal):
+        gd.ensure(_params(server, model, tmp_path / "models", token=TOKEN, **named))
 
-    assert token_server.requests and not any(seen.authorized for seen in token_server.requests)
-
-
-def test_token_is_not_sent_to_a_host_it_was_not_meant_for(
-    tls_token_server: FileServer, model: Model, tmp_path: Path
-) -> None:
-    """A mirror the fleet did not name for the token (default: only huggingface.co) gets none, even over TLS."""
-    params = _params(tls_token_server, model, tmp_path / "models", token=TOKEN)
-
-    with pytest.raises(gd.DownloadError, match="HTTP 401"):
-        gd.ensure(params)
-
-    assert tls_token_server.requests and not any(seen.authorized for seen in tls_token_server.requests)
+    assert server.requests and not any(seen.authorized for seen in server.requests)
 
 
 def test_token_is_not_sent_to_the_host_a_redirect_points_at(

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from controller.lab import tinymodels
-from controller.lab.llama_server import serve
-from controller.lab.target import free_port
+from lab import tinymodels
+from lab.llama_server import serve
+from lab.target import free_port
 
 pytestmark = pytest.mark.engine
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from controller.lab import tinymodels
-from controller.lab.llama_server import serve
+from lab import tinymodels
+from lab.llama_server import serve
 from tests.unit.plugins.test_llama_api_check import run_module
 
 pytestmark = pytest.mark.engine

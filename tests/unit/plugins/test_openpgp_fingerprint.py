@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from controller import facts
 from tests.unit.windows.ansible_local import run_playbook
 
 PROJECT = Path(__file__).resolve().parents[3]
@@ -60,7 +61,7 @@ def _run_key_tasks(tmp_path: Path, key: Path, fingerprint: str):
         "gather_subset": ["!all", "!min", "distribution"],
         "tasks": [{
             "name": "Run the role's key tasks",
-            "ansible.builtin.include_role": {"name": "nvidia_driver", "tasks_from": "repo-key"},
+            "ansible.builtin.include_role": {"name": "nvidia_driver", "tasks_from": "linux-repo-key"},
             "vars": {
                 "__nvidia_driver_key_dest": str(keyring),
                 "__nvidia_driver_repo_key_url": key.as_uri(),
@@ -69,7 +70,7 @@ def _run_key_tasks(tmp_path: Path, key: Path, fingerprint: str):
             },
         }],
     }]
-    return run_playbook(tmp_path, plays), keyring
+    return run_playbook(tmp_path, plays, windows=False), keyring
 
 
 def _changed(stdout: str) -> int:
@@ -114,13 +115,15 @@ def test_a_mirror_key_without_a_fingerprint_is_refused_before_anything_changes(t
             "name": "Run the role's preflight",
             "ansible.builtin.include_role": {"name": "nvidia_driver", "tasks_from": "preflight"},
             "vars": {
-                "nvidia_driver_gpus": [{"index": 0, "name": "Tesla V100-PCIE-32GB", "pci_bus_id": "0000:04:00.0"}],
+                "nvidia_driver_gpus": [{"index": 0, "name": "Tesla V100-PCIE-32GB", "pci_bus_id": "0000:04:00.0",
+                                        "is_v100": True}],
+                "nvidia_driver_window": facts.driver_window(),
                 "nvidia_driver_repo_url": "http://mirror.test/cuda/",
                 "nvidia_driver_repo_key_url": "http://mirror.test/cuda/key.asc",
             },
         }],
     }]
-    result = run_playbook(tmp_path, plays)
+    result = run_playbook(tmp_path, plays, windows=False)
     assert result.returncode == 2
     assert "without a valid nvidia_driver_repo_key_fingerprint" in result.stdout
     assert "mirror.drivers_key_fingerprint" in result.stdout

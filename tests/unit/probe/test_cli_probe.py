@@ -10,11 +10,8 @@ import threading
 import types
 from pathlib import Path
 
-from click.testing import CliRunner
-
-from controller.cli_probe import probe
 from controller.probe import parse_outputs
-from tests.cli import run_controller
+from tests.cli import invoke, run_controller
 from tests.unit.clean_errors import assert_one_line_error
 from tests.unit.probe.helpers import WRITTEN, machine
 
@@ -22,7 +19,7 @@ CONTRACT_GPU_KEYS = {"index", "uuid", "name", "memory_mib", "compute_capability"
 
 
 def _invoke(*args: str):
-    return CliRunner().invoke(probe, list(args), catch_exceptions=False)
+    return invoke("probe", *args)
 
 
 def test_from_dir_json_has_the_contract_fields() -> None:
@@ -63,8 +60,20 @@ def test_nothing_usable_exits_2_with_one_line(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert result.stdout == ""
     assert len(result.stderr.strip().splitlines()) == 1
-    assert result.stderr.startswith(f"Error: nothing usable was parsed from {tmp_path}")
+    assert result.stderr.startswith(f"error: nothing usable was parsed from {tmp_path}")
     assert "nvidia-smi.txt: is not text" in result.stderr
+
+
+def test_the_topology_matrix_alone_gives_the_links_and_boards(tmp_path: Path) -> None:
+    shutil.copy(WRITTEN / "twelve-v100-threadripper" / "nvidia-smi-topo.txt", tmp_path)
+    result = _invoke("--from-dir", str(tmp_path), "--json")
+    assert result.exit_code == 0, result.output
+    profile = json.loads(result.stdout)
+    assert profile["gpus"] == []
+    assert [0, 1, 6] in profile["nvlink"]["pairs"] and [6, 11, 2] in profile["nvlink"]["pairs"]
+    assert profile["boards"] == [[0, 1], [2, 3], [4, 5, 8, 9], [6, 7, 10, 11]]
+    text = _invoke("--from-dir", str(tmp_path))
+    assert text.exit_code == 0 and "boards: {0,1} {2,3} {4,5,8,9} {6,7,10,11}" in text.stdout
 
 
 def test_empty_or_missing_dir_exits_2(tmp_path: Path) -> None:

@@ -57,27 +57,26 @@ def test_crlf_and_spaces_instead_of_tabs_read_the_same(real_fixtures) -> None:
     assert profile.warnings == []
 
 
-def test_old_soc_code_and_no_legend() -> None:
-    text = ("\tGPU0\tGPU1\tGPU2\tGPU3\tCPU Affinity\n"
-            "GPU0\t X \tNV2\tSOC\tSOC\t0-9,20-29\n"
-            "GPU1\tNV2\t X \tSOC\tSOC\t0-9,20-29\n"
-            "GPU2\tSOC\tSOC\t X \tPHB\t10-19,30-39\n"
-            "GPU3\tSOC\tSOC\tPHB\t X \t10-19,30-39\n")
-    profile = parse_outputs({TOPO: text})
-    assert profile.nvlink.pairs == [(0, 1, 2)]
-    assert profile.boards == [[0, 1], [2], [3]]
-    assert profile.warnings == []
+OLD_SOC_NO_LEGEND = ("\tGPU0\tGPU1\tGPU2\tGPU3\tCPU Affinity\n"
+                     "GPU0\t X \tNV2\tSOC\tSOC\t0-9,20-29\n"
+                     "GPU1\tNV2\t X \tSOC\tSOC\t0-9,20-29\n"
+                     "GPU2\tSOC\tSOC\t X \tPHB\t10-19,30-39\n"
+                     "GPU3\tSOC\tSOC\tPHB\t X \t10-19,30-39\n")
+NIC_COLUMNS = ("        mlx5_1  GPU1    NIC0    GPU0    CPU Affinity    NUMA Affinity   GPU NUMA ID\n"
+               "mlx5_1   X      PIX     SYS     SYS\n"
+               "GPU1    PIX      X      SYS     NV4     0-31    0               N/A\n"
+               "NIC0    SYS     SYS      X      PIX\n"
+               "GPU0    SYS     NV4     PIX      X      0-31    0               N/A\n")
 
 
-def test_nic_columns_before_and_between_gpus() -> None:
-    text = ("        mlx5_1  GPU1    NIC0    GPU0    CPU Affinity    NUMA Affinity   GPU NUMA ID\n"
-            "mlx5_1   X      PIX     SYS     SYS\n"
-            "GPU1    PIX      X      SYS     NV4     0-31    0               N/A\n"
-            "NIC0    SYS     SYS      X      PIX\n"
-            "GPU0    SYS     NV4     PIX      X      0-31    0               N/A\n")
+@pytest.mark.parametrize("text, pairs, boards", [
+    (OLD_SOC_NO_LEGEND, [(0, 1, 2)], [[0, 1], [2], [3]]),  # the old SOC code, and no legend
+    (NIC_COLUMNS, [(0, 1, 4)], [[0, 1]]),  # NIC columns before and between the GPUs
+])
+def test_matrix_variants(text, pairs, boards) -> None:
     profile = parse_outputs({TOPO: text})
-    assert profile.nvlink.pairs == [(0, 1, 4)]
-    assert profile.boards == [[0, 1]]
+    assert profile.nvlink.pairs == pairs
+    assert profile.boards == boards
     assert profile.warnings == []
 
 

@@ -1,4 +1,8 @@
-"""Run a small playbook on localhost (connection local) with the project's ansible.cfg, roles and collections."""
+"""Run a small playbook on localhost (connection local) with the project's ansible.cfg, roles and collections.
+
+The merged roles pick their Windows tasks from ansible_facts['os_family']: by default each play first records
+os_family Windows as a fact, so the roles' Windows paths (preflights, templates) run here without a Windows host.
+"""
 
 from __future__ import annotations
 
@@ -10,17 +14,35 @@ from pathlib import Path
 
 import yaml
 
+from controller import facts
+
 PROJECT = Path(__file__).resolve().parents[3]
 ROLES = PROJECT / "roles"
-WIN_ROLES = sorted(path for path in ROLES.glob("win_*") if path.is_dir())
+ROLE_NAMES = ("nvidia_driver", "llama_engine", "gguf_model", "llama_service", "llama_verify")
+MERGED_ROLES = [ROLES / name for name in ROLE_NAMES]
+
+# What render passes a Windows box for the facts the controller owns (controller/facts.py).
+WINDOWS_FACTS = {
+    "nvidia_driver_window": facts.driver_window(),
+    "gguf_model_dir": facts.DEFAULT_MODEL_DIR["windows"],
+    "llama_service_template_dir": facts.TEMPLATE_DIR["windows"],
+}
+
+LOOK_LIKE_WINDOWS = {
+    "name": "Record that this host is a Windows box",
+    "ansible.builtin.set_fact": {"ansible_os_family": "Windows", "cacheable": True},
+}
 
 
 def _bin(name: str) -> str:
     return str(Path(sys.executable).with_name(name))
 
 
-def run_playbook(tmp_path: Path, plays: list, extra_vars: dict | None = None, json_output: bool = False):
+def run_playbook(tmp_path: Path, plays: list, extra_vars: dict | None = None, json_output: bool = False,
+                 windows: bool = True):
     """Write the plays and an inventory for localhost into tmp_path and run them; returns the finished process."""
+    if windows:
+        plays = [{**play, "pre_tasks": [LOOK_LIKE_WINDOWS, *play.get("pre_tasks", [])]} for play in plays]
     playbook = tmp_path / "play.yml"
     playbook.write_text(yaml.safe_dump(plays, sort_keys=False))
     inventory = tmp_path / "hosts.yml"

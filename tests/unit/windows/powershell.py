@@ -1,4 +1,4 @@
-"""PowerShell syntax checks with tree-sitter-powershell, and the scripts embedded in the Windows roles' tasks."""
+"""PowerShell syntax checks with tree-sitter-powershell, and the scripts embedded in the roles' Windows tasks."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import tree_sitter
 import tree_sitter_powershell
 import yaml
 
-from tests.unit.windows.ansible_local import WIN_ROLES
+from tests.unit.windows.ansible_local import MERGED_ROLES
 
 PARSER = tree_sitter.Parser(tree_sitter.Language(tree_sitter_powershell.language()))
 SCRIPT_MODULES = {
@@ -43,8 +43,8 @@ def _tasks(items) -> Iterator[dict]:
 
 
 def role_scripts() -> Iterator[tuple[str, str]]:
-    """(where, script) for every win_powershell/win_shell body in the Windows roles' tasks and handlers."""
-    for role in WIN_ROLES:
+    """(where, script) for every win_powershell/win_shell body in the roles' tasks and handlers."""
+    for role in MERGED_ROLES:
         for path in sorted([*role.glob("tasks/*.yml"), *role.glob("handlers/*.yml")]):
             for task in _tasks(yaml.safe_load(path.read_text())):
                 for module, key in SCRIPT_MODULES.items():

@@ -1,10 +1,10 @@
-"""The model-folder refusals of roles/win_gguf_model's preflight, run by Ansible on localhost."""
+"""The Windows model-folder refusals of roles/gguf_model's preflight, run by Ansible on localhost."""
 
 import json
 
 import pytest
 
-from tests.unit.windows.ansible_local import run_playbook
+from tests.unit.windows.ansible_local import WINDOWS_FACTS, run_playbook
 
 # Each module runs ansible-playbook on localhost: seconds per run.
 pytestmark = pytest.mark.slow
@@ -34,10 +34,10 @@ def outcomes(tmp_path_factory):
   block:
     - name: Run the preflight
       ansible.builtin.include_role:
-        name: win_gguf_model
-        tasks_from: preflight
+        name: gguf_model
+        tasks_from: windows-preflight
       vars:
-        win_gguf_model_dir: "{{ case }}"
+        gguf_model_dir: "{{ case }}"
     - name: Record a pass
       ansible.builtin.set_fact:
         outcomes: "{{ outcomes | combine({case: none}) }}"
@@ -72,7 +72,7 @@ def outcomes(tmp_path_factory):
             ],
         }
     ]
-    result = run_playbook(tmp, plays, {"win_gguf_model_files": []})
+    result = run_playbook(tmp, plays, {"gguf_model_files": []})
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads(result_file.read_text())
 
@@ -98,12 +98,13 @@ def test_bad_model_entries_are_refused(tmp_path):
             "tasks": [
                 {
                     "name": "Run the preflight",
-                    "ansible.builtin.include_role": {"name": "win_gguf_model", "tasks_from": "preflight"},
+                    "ansible.builtin.include_role": {"name": "gguf_model", "tasks_from": "preflight"},
                 }
             ],
         }
     ]
-    bad = {"win_gguf_model_files": [{"name": r"sub\model.gguf", "url": "https://x.example/m", "sha256": "a" * 64}]}
+    bad = {"gguf_model_dir": WINDOWS_FACTS["gguf_model_dir"],
+           "gguf_model_files": [{"name": r"sub\model.gguf", "url": "https://x.example/m", "sha256": "a" * 64}]}
     result = run_playbook(tmp_path, plays, bad)
     assert result.returncode != 0
     assert "plain Windows file name" in result.stdout

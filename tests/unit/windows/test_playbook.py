@@ -1,50 +1,83 @@
-"""playbooks/windows.yml passes Ansible's syntax check and ansible-lint's production profile with the win_* roles."""
+"""The playbooks run one play for Linux and Windows boxes alike, pass Ansible's syntax check with a Windows
+inventory, gather facts each OS knows, and the roles call Windows modules with options those modules have."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from tests.unit.windows.ansible_local import PROJECT, WIN_ROLES
+from tests.unit.windows.ansible_local import MERGED_ROLES, PROJECT, ROLE_NAMES
+
+PLAYBOOKS = PROJECT / "playbooks"
 
 
 def tool(name: str) -> str:
     return str(Path(sys.executable).with_name(name))
 
 
-def test_windows_playbooks_run_the_five_roles_in_order():
-    import yaml
-
-    plays = yaml.safe_load((PROJECT / "playbooks" / "windows.yml").read_text())
-    assert [play["hosts"] for play in plays] == ["windows"]
-    assert [role["role"] for role in plays[0]["roles"]] == [
-        "win_nvidia_driver", "win_llama_engine", "win_gguf_model", "win_llama_service",
-    ]  # fmt: skip
-    verify = {play["hosts"]: play for play in yaml.safe_load((PROJECT / "playbooks" / "verify.yml").read_text())}
-    assert [role["role"] for role in verify["windows"]["roles"]] == ["win_llama_verify"]
-    site = yaml.safe_load((PROJECT / "playbooks" / "site.yml").read_text())
-    assert [play.get("ansible.builtin.import_playbook") for play in site[1:]] == ["windows.yml", "verify.yml"]
+def plays(name: str) -> list[dict]:
+    return yaml.safe_load((PLAYBOOKS / name).read_text())
 
 
-def test_windows_playbook_syntax(tmp_path):
+def test_site_is_one_play_running_the_five_roles_in_order():
+    (site,) = plays("site.yml")
+    assert site["hosts"] == "all"
+    assert [role["role"] for role in site["roles"]] == list(ROLE_NAMES)
+    assert site["roles"][0]["vars"] == {"nvidia_driver_require_loaded": True}
+    (driver,) = plays("driver.yml")
+    assert driver["hosts"] == "all" and [role["role"] for role in driver["roles"]] == ["nvidia_driver"]
+    (verify,) = plays("verify.yml")
+    assert verify["hosts"] == "all" and [role["role"] for role in verify["roles"]] == ["llama_verify"]
+    assert not (PLAYBOOKS / "windows.yml").exists()
+    assert sorted(path.name for path in (PROJECT / "roles").iterdir()) == sorted(ROLE_NAMES)
+
+
+@pytest.mark.parametrize("playbook", ["site.yml", "driver.yml", "verify.yml"])
+def test_playbook_syntax_with_windows_and_linux_hosts(tmp_path, playbook):
     inventory = tmp_path / "hosts.yml"
-    inventory.write_text("windows:\n  hosts:\n    box9:\n      ansible_connection: winrm\n")
+    inventory.write_text("windows:\n  hosts:\n    box9:\n      ansible_connection: winrm\n"
+                         "linux:\n  hosts:\n    box3:\n      ansible_host: 192.0.2.10\n")
     result = subprocess.run(
-        [tool("ansible-playbook"), "--syntax-check", "-i", str(inventory), "playbooks/windows.yml"],
+        [tool("ansible-playbook"), "--syntax-check", "-i", str(inventory), f"playbooks/{playbook}"],
         cwd=PROJECT, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 @pytest.mark.slow
-def test_windows_roles_pass_ansible_lint_production():
+@pytest.mark.parametrize("playbook", ["site.yml", "driver.yml"])
+def test_fact_gathering_asks_each_os_for_a_subset_it_knows(tmp_path, playbook):
+    """The setup task of the play, its module swapped for debug (which contacts no host), evaluated per host."""
+    (play,) = plays(playbook)
+    (gather,) = play["pre_tasks"]
+    subset = gather["ansible.builtin.setup"]["gather_subset"]
+    probe = {"name": "Show the subset", "hosts": "all", "gather_facts": False, "tasks": [
+        {"name": "Show it", "ansible.builtin.debug": {"msg": subset}, "vars": gather["vars"]}]}
+    (tmp_path / "play.yml").write_text(yaml.safe_dump([probe]))
+    (tmp_path / "hosts.yml").write_text(yaml.safe_dump({"all": {"children": {
+        "windows": {"hosts": {"win_by_group": {"ansible_connection": "local"}}},
+        "linux": {"hosts": {"lin": {"ansible_connection": "local"},
+                            "win_by_connection": {"ansible_connection": "psrp"}}}}}}))
     result = subprocess.run(
-        [tool("ansible-lint"), "--profile", "production", "--nocolor", *map(str, WIN_ROLES), "playbooks/windows.yml"],
-        cwd=PROJECT, capture_output=True, text=True, timeout=300, check=False,
+        [tool("ansible-playbook"), "-i", str(tmp_path / "hosts.yml"), str(tmp_path / "play.yml")],
+        cwd=PROJECT, capture_output=True, text=True, timeout=120, check=False,
+        env={"ANSIBLE_STDOUT_CALLBACK": "ansible.posix.json", "PATH": str(Path(sys.executable).parent)},
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    assert len(WIN_ROLES) == 5
+    hosts = json.loads(result.stdout)["plays"][0]["tasks"][0]["hosts"]
+    windows = ["!all", "!min", "distribution"]
+    assert hosts["win_by_group"]["msg"] == windows and hosts["win_by_connection"]["msg"] == windows
+    assert hosts["lin"]["msg"] == [*windows, "pkg_mgr"]
+
+
+def test_verify_gathers_no_facts_and_its_role_tells_windows_from_the_connection():
+    (verify,) = plays("verify.yml")
+    assert verify["gather_facts"] is False
+    text = (PROJECT / "roles" / "llama_verify" / "vars" / "main.yml").read_text()
+    assert "ansible_connection" in text and "'windows' in group_names" in text
 
 
 def _module_tasks(items):
@@ -57,12 +90,8 @@ def _module_tasks(items):
 
 
 def test_windows_modules_are_called_with_options_they_have():
-    import json
-
-    import yaml
-
     used: dict[str, set[str]] = {}
-    for role in WIN_ROLES:
+    for role in MERGED_ROLES:
         for path in [*role.glob("tasks/*.yml"), *role.glob("handlers/*.yml")]:
             for module, options in _module_tasks(yaml.safe_load(path.read_text())):
                 used.setdefault(module, set()).update(options)
@@ -72,3 +101,13 @@ def test_windows_modules_are_called_with_options_they_have():
     assert {
         module: options - documented[module] for module, options in used.items() if options - documented[module]
     } == {}
+
+
+def test_windows_tasks_use_only_windows_modules():
+    """A Linux module in a Windows task file would fail only on a real Windows host."""
+    linux_only = ("ansible.builtin.command", "ansible.builtin.file", "ansible.builtin.copy", "ansible.builtin.template",
+                  "ansible.builtin.stat", "ansible.builtin.uri", "ansible.builtin.systemd_service")
+    for role in MERGED_ROLES:
+        for path in role.glob("tasks/windows*.yml"):
+            text = path.read_text()
+            assert not [module for module in linux_only if module + ":" in text], path

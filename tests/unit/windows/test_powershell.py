@@ -1,10 +1,15 @@
-"""Every PowerShell body in the Windows roles parses, and the parser does catch broken scripts."""
+"""Every PowerShell body in the roles' Windows tasks, and every PowerShell module, parses; the parser does catch
+broken scripts."""
+
+from pathlib import Path
 
 import pytest
 
+from tests.unit.windows.ansible_local import PROJECT
 from tests.unit.windows.powershell import parse_errors, role_scripts
 
 SCRIPTS = list(role_scripts())
+MODULES = sorted((PROJECT / "plugins").glob("*/*.ps1"))
 
 
 def test_the_roles_scripts_were_found():
@@ -17,6 +22,17 @@ def test_script_parses_and_takes_values_only_as_parameters(where, script):
     assert parse_errors(script) == [], where
     # Values reach a script through `parameters`, never by templating its text, so the parsed text is what runs.
     assert "{{" not in script and "{%" not in script, where
+
+
+@pytest.mark.parametrize("module", MODULES, ids=[path.name for path in MODULES])
+def test_powershell_module_parses(module: Path):
+    assert parse_errors(module.read_text()) == []
+    assert "#AnsibleRequires -CSharpUtil Ansible.Basic" in module.read_text()
+
+
+def test_windows_modules_live_apart_from_their_linux_twins():
+    # Beside llama_api_check.py, the .ps1 could be what Ansible runs on a Linux box (test_module_resolution.py).
+    assert [str(path.relative_to(PROJECT)) for path in MODULES] == ["plugins/windows_modules/llama_api_check.ps1"]
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""The WinSW XML and the Claude Code helpers of roles/win_llama_service, rendered by Ansible and checked against the plan."""
+"""The WinSW XML and the Claude Code helpers of roles/llama_service (Windows), rendered by Ansible and checked
+against the plan."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.windows.ansible_local import ROLES, role_vars, run_playbook
+from tests.unit.windows.ansible_local import ROLES, WINDOWS_FACTS, role_vars, run_playbook
 from tests.unit.windows.cmdline import split
 from tests.unit.windows.powershell import parse_errors
 
@@ -47,16 +48,18 @@ QWEN_DUAL = {
 KEY = "k3y&<with>\"quotes'-0123456789"
 
 
-def render(tmp_path: Path, bind: str, api_key: str, instances: list[dict], virtual_account: bool = True) -> Path:
+def render(tmp_path: Path, bind: str, api_key: str, instances: list[dict], virtual_account: bool = True,
+           more_vars: dict | None = None) -> Path:
+    """Render the WinSW XML and the Claude Code helper of each instance into tmp_path/out, as the role would."""
     out = tmp_path / "out"
     out.mkdir()
-    templates = ROLES / "win_llama_service" / "templates"
+    templates = ROLES / "llama_service" / "templates"
     plays = [
         {
             "name": "Render the Windows service artefacts",
             "hosts": "localhost",
             "gather_facts": False,
-            "vars_files": role_vars("win_llama_service"),
+            "vars_files": role_vars("llama_service"),
             "tasks": [
                 {
                     "name": "Render the WinSW XML",
@@ -65,7 +68,7 @@ def render(tmp_path: Path, bind: str, api_key: str, instances: list[dict], virtu
                         "dest": f"{out}/{{{{ item.name }}}}.xml",
                         "mode": "0600",
                     },
-                    "loop": "{{ win_llama_service_instances }}",
+                    "loop": "{{ llama_service_instances }}",
                 },
                 {
                     "name": "Render the Claude Code helpers",
@@ -74,16 +77,18 @@ def render(tmp_path: Path, bind: str, api_key: str, instances: list[dict], virtu
                         "dest": f"{out}/{{{{ item.name }}}}.ps1",
                         "mode": "0644",
                     },
-                    "loop": "{{ win_llama_service_instances }}",
+                    "loop": "{{ llama_service_instances }}",
                 },
             ],
         }
     ]
     extra = {
-        "win_llama_service_instances": instances,
-        "win_llama_service_bind": bind,
-        "win_llama_service_api_key": api_key,
-        "win_llama_service_virtual_account": virtual_account,
+        **WINDOWS_FACTS,
+        "llama_service_instances": instances,
+        "llama_service_bind": bind,
+        "llama_service_api_key": api_key,
+        "llama_service_virtual_account": virtual_account,
+        **(more_vars or {}),
     }
     result = run_playbook(tmp_path, plays, extra)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -1,0 +1,65 @@
+"""``controller demo``: provision the built-in demo box end to end, from a clone (the lab is not installed)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import click
+
+from controller.errors import SetupError, VerifyError
+
+
+def lab_demo() -> ModuleType:
+    """The clone's lab/demo.py: the lab sits beside the package in a clone and is not installed with it."""
+    import controller
+
+    clone = Path(controller.__file__).resolve().parents[1]
+    if not (clone / "lab" / "demo.py").is_file():
+        raise SetupError("controller demo runs from a clone of the repository (./scripts/bootstrap.sh && "
+                         ".venv/bin/controller demo): this install has no lab/ beside it")
+    if str(clone) not in sys.path:
+        sys.path.insert(0, str(clone))
+    return importlib.import_module("lab.demo")
+
+
+@click.command()
+@click.option("--down", is_flag=True, help="Remove the demo box instead.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def demo(down: bool, as_json: bool) -> None:
+    """Provision a local demo box: a systemd container, the CPU engine and a generated tiny model."""
+    lab = lab_demo()
+    if down:
+        removed = lab.teardown()
+        click.echo(f"removed {', '.join(removed)}" if removed else "no demo box is running")
+        return
+
+    from controller.fleet import load_fleet
+    from controller.progress import Progress
+    from controller.provision import provision
+    from controller.report import markdown
+
+    progress = Progress(as_json=as_json)
+    if not as_json:
+        click.echo("Preparing the demo box (the first run builds the CPU engine and the container image)...")
+    with lab.demo_fleet() as fleet_path:
+        report, result = provision(load_fleet(fleet_path), lab.DEMO_BOX, fleet_path.parent / "inventory", progress)
+    progress.summary(result)
+    if as_json:
+        click.echo(json.dumps({"type": "report", **report}))
+    else:
+        click.echo(markdown(report))
+        service = report["services"][0] if report["services"] else None
+        click.echo(f"Fleet file and inventory: {fleet_path.parent}")
+        if service:
+            # Every server requires a key; the demo's was generated on the box, readable by root only.
+            key = f"$(podman exec {lab.DEMO_NAME} cat /etc/llama/keys/{service['name']}.key)"
+            click.echo(f"Try it:  curl -s {service['endpoint']}/v1/chat/completions -H \"Authorization: Bearer {key}\" "
+                       f"-H 'Content-Type: application/json' "
+                       f"-d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"hi\"}}],\"max_tokens\":8}}'")
+        click.echo("Remove it: controller demo --down")
+    if not report["verified"]:
+        raise VerifyError(f"{lab.DEMO_BOX}: verification failed; the report says which server answered what")

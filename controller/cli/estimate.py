@@ -1,0 +1,80 @@
+"""``controller estimate``: predict a llama.cpp server's memory from a GGUF header, before any download.
+
+MODEL is a local GGUF path, an http(s) URL (only the header is fetched, with Range requests), or a
+model catalog id; the work is ``controller.estimate.source.estimate_model``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from controller.estimate.memory import ENGINES, SPLIT_MODES, Estimate
+from controller.estimate.model import QUANT_CACHE_TYPES
+from controller.estimate.source import EstimateError, estimate_model
+
+
+def _number_list(value: str | None, option: str, kind: type = int) -> list:
+    """``--gpus 0,1`` or ``--gpu-mib 16000,16000`` as numbers; a bad entry is the operator's to fix."""
+    if not value:
+        return []
+    try:
+        return [kind(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        what = "integers" if kind is int else "numbers (MiB)"
+        raise EstimateError(f"{option} takes comma-separated {what}, got {value!r}") from None
+
+
+def _render_text(result: Estimate) -> str:
+    data = result.to_json()
+    m, kv = data["model"], data["kv"]
+    lines = [
+        (f"model   {m['arch']}  {m['n_layer']} layers  {m['params'] / 1e9:.2f} B params  {m['file_type']}  "
+         f"{m['size_bytes'] / 2**30:.2f} GiB  (trained ctx {m['n_ctx_train']})"),
+        f"kv      {kv['total_mib']:.1f} MiB  {kv['cells']} cells x {kv['streams']} stream(s), {kv['layers']} layers"
+        + (f" ({kv['swa_layers']} SWA at {kv['swa_cells']} cells)" if kv["swa_layers"] else "")
+        + f", {kv['bytes_per_token']} B/token",
+        f"{'device':<8}{'weights':>12}{'kv':>12}{'compute':>12}{'overhead':>12}{'total':>12}  MiB",
+    ]
+    for d in data["devices"]:
+        cap = "" if d["capacity_mib"] is None else f"  of {d['capacity_mib']:.0f} {'ok' if d['fits'] else 'DOES NOT FIT'}"
+        lines.append(f"{d['name']:<8}{d['weights_mib']:>12.1f}{d['kv_mib']:>12.1f}{d['compute_mib']:>12.1f}"
+                     f"{d['overhead_mib']:>12.1f}{d['total_mib']:>12.1f}{cap}")
+    lines.append(f"total   {data['total_mib']:.1f} MiB")
+    lines += [f"note    {note}" for note in data["notes"]]
+    return "\n".join(lines)
+
+
+@click.command("estimate")
+@click.argument("model")
+@click.option("--ctx", type=int, default=None, help="Context size (default: the model's training context).")
+@click.option("--parallel", type=int, default=None, help="Server slots (default: the engine's, 4 on upstream).")
+@click.option("--kv-unified/--no-kv-unified", default=None, help="One KV cache shared by all slots.")
+@click.option("--cache-type-k", type=click.Choice(QUANT_CACHE_TYPES), default="f16", show_default=True)
+@click.option("--cache-type-v", type=click.Choice(QUANT_CACHE_TYPES), default="f16", show_default=True)
+@click.option("--ubatch", type=int, default=None, help="Physical batch (default 512).")
+@click.option("--batch", type=int, default=None, help="Logical batch (default 2048).")
+@click.option("--flash-attn", type=click.Choice(["on", "off"]), default=None, help="Default: auto (on).")
+@click.option("--engine", type=click.Choice(ENGINES), default="upstream", show_default=True)
+@click.option("--gpus", default=None, help="GPU indices, e.g. 0,1 (default: CPU only).")
+@click.option("--gpu-mem-mib", default=None, help="Memory of each GPU in MiB, e.g. 16384,16384.")
+@click.option("--split-mode", type=click.Choice(SPLIT_MODES), default="layer", show_default=True)
+@click.option("--n-gpu-layers", type=int, default=None, help="Layers on the GPUs (default: all when --gpus is set).")
+@click.option("--cpu-moe", is_flag=True, help="Keep routed experts in host memory.")
+@click.option("--json", "as_json", is_flag=True, help="Print the estimate as JSON.")
+def estimate(model: str, ctx: int | None, parallel: int | None, kv_unified: bool | None, cache_type_k: str,
+             cache_type_v: str, ubatch: int | None, batch: int | None, flash_attn: str | None, engine: str,
+             gpus: str | None, gpu_mem_mib: str | None, split_mode: str, n_gpu_layers: int | None,
+             cpu_moe: bool, as_json: bool) -> None:
+    """Predict the memory a llama.cpp server will use for MODEL (a GGUF path, URL or catalog id)."""
+    gpu_list = _number_list(gpus, "--gpus")
+    mem_list = _number_list(gpu_mem_mib, "--gpu-mem-mib", float)
+    if mem_list and not gpu_list:
+        gpu_list = list(range(len(mem_list)))
+    result = estimate_model(
+        model, engine=engine, ctx=ctx, parallel=parallel, kv_unified=kv_unified, cache_type_k=cache_type_k,
+        cache_type_v=cache_type_v, ubatch=ubatch, batch=batch, flash_attn=flash_attn, gpus=gpu_list,
+        gpu_mem_mib=mem_list, split_mode=split_mode, n_gpu_layers=n_gpu_layers, cpu_moe=cpu_moe,
+    )
+    click.echo(json.dumps(result.to_json(), indent=2) if as_json else _render_text(result))

@@ -1,0 +1,129 @@
+"""``controller plan``: the serving configuration that fits a box, and why.
+
+Two forms, one output (the ``ServePlan`` JSON contract ``{fits, services, unplaced}``):
+
+    controller plan box3 --fleet fleet.yml [--json]
+        probe box3 read-only and plan the models its fleet entry wants;
+    controller plan --profile box3.json --model ID [--model ID ...] [--ctx N] [--agents N] [--json]
+        plan from a saved ``controller probe --json`` profile, without touching any box.
+
+A ``--model`` may also be a GGUF path or http(s) URL (only its header is read), and ``--header
+ID=PATH_OR_URL`` makes a catalog model's estimate use its real GGUF header instead of the catalog's
+hyperparameters. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from pydantic import ValidationError
+
+from controller.errors import ProbeError
+from controller.profile import HardwareProfile
+from controller.serveplan import ServePlan
+
+
+def _headers(pairs: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        model_id, sep, source = pair.partition("=")
+        if not sep or not model_id or not source:
+            raise click.BadParameter(f"{pair!r}: expected ID=PATH_OR_URL", param_hint="--header")
+        out[model_id] = source
+    return out
+
+
+def _load_profile(path: Path) -> HardwareProfile:
+    try:
+        profile = HardwareProfile.model_validate_json(path.read_bytes())
+    except OSError as exc:
+        raise ProbeError(f"{path}: cannot read the profile: {exc.strerror}") from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "(top level)"
+        raise ProbeError(f"{path}: not a `controller probe --json` profile: {where}: {first['msg']}") from None
+    problem = profile.gpu_index_problem()
+    if problem:
+        raise ProbeError(f"{path}: {problem}; fix the profile or save a fresh one with `controller probe BOX --json`")
+    return profile
+
+
+def _plan_profile(profile_path: Path, models: tuple[str, ...], ctx: int | None, agents: int, base_port: int,
+                  catalogs: tuple[Path, ...], headers: dict[str, str]) -> ServePlan:
+    from controller.catalog import load_catalog
+    from controller.estimate.source import with_gguf_sources
+    from controller.fleet import WantedModel
+    from controller.planner import plan_models
+
+    profile = _load_profile(profile_path)
+    ids, catalog, read = with_gguf_sources(models, load_catalog(catalogs))
+    wanted = [WantedModel(id=model_id, ctx=ctx, agents=agents) for model_id in ids]
+    return plan_models(wanted, profile, catalog, base_port=base_port, headers={**headers, **read})
+
+
+def _plan_box(box_name: str, fleet_path: Path, headers: dict[str, str]) -> ServePlan:
+    from controller.fleet import load_fleet
+    from controller.planner import plan_box
+    from controller.probe.collect import probe_box  # the transports pull in fabric and pywinrm
+    from controller.provision import box_and_catalog
+    from controller.transports.known_hosts import beside_fleet
+
+    box, catalog = box_and_catalog(load_fleet(fleet_path), box_name)  # unknown model ids fail before any connection
+    profile, _raw, _seconds = probe_box(box, known_hosts=beside_fleet(fleet_path))
+    return plan_box(box, profile, catalog, headers=headers)
+
+
+def emit(plan: ServePlan, as_json: bool) -> None:
+    """Print the plan as the contract JSON, or as one block per service with its reasons."""
+    if as_json:
+        click.echo(json.dumps(plan.model_dump(mode="json"), indent=2))
+        return
+    for service in plan.services:
+        memory = ", ".join(f"{device} {mib} MiB" for device, mib in service.memory.per_device_mib.items())
+        click.echo(f"{service.name}: {service.model} on {service.engine}, GPUs {service.gpus or 'none'}, "
+                   f"port {service.port}, context {service.ctx} ({service.cache_type_k} cache); {memory}")
+        for reason in service.reasons:
+            click.echo(f"  - {reason}")
+        env = " ".join(f"{key}={value}" for key, value in service.env.items())
+        click.echo(f"  {env + ' ' if env else ''}llama-server {' '.join(service.args)}")
+    for item in plan.unplaced:
+        click.echo(f"not placed: {item.model}: {item.reason}")
+
+
+@click.command("plan")
+@click.argument("box", required=False)
+@click.option("--fleet", "fleet_path", type=click.Path(path_type=Path, dir_okay=False),
+              help="Fleet file naming BOX and the models it wants (probes BOX read-only).")
+@click.option("--profile", "profile_path", type=click.Path(path_type=Path, dir_okay=False),
+              help="A saved `controller probe --json` profile to plan for, instead of probing a box.")
+@click.option("--model", "models", multiple=True,
+              help="Catalog id (or GGUF path/URL) to serve; repeat for several. With --profile.")
+@click.option("--ctx", type=click.IntRange(min=512), default=None,
+              help="Context each model must offer (default: the largest that fits, up to 131072).")
+@click.option("--agents", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Concurrent agents per model: --parallel N with one shared KV cache.")
+@click.option("--base-port", type=click.IntRange(1024, 65000), default=8001, show_default=True,
+              help="Port of the first model; the others follow. With --profile.")
+@click.option("--catalog", "catalogs", multiple=True, type=click.Path(path_type=Path, dir_okay=False),
+              help="Extra model catalog merged over the built-in one. With --profile.")
+@click.option("--header", "header_pairs", multiple=True,
+              help="ID=PATH_OR_URL: estimate catalog model ID from this GGUF's header (read, never downloaded).")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON: {fits, services, unplaced}.")
+def plan(box: str | None, fleet_path: Path | None, profile_path: Path | None, models: tuple[str, ...],
+         ctx: int | None, agents: int, base_port: int, catalogs: tuple[Path, ...], header_pairs: tuple[str, ...],
+         as_json: bool) -> None:
+    """Plan the llama.cpp services for BOX (probed), or for a saved profile and the given models."""
+    headers = _headers(header_pairs)
+    if box is not None:
+        if profile_path or models or ctx is not None or agents != 1 or catalogs:
+            raise click.UsageError("with BOX the fleet file says what to serve: drop --profile, --model, --ctx, "
+                                   "--agents and --catalog, or drop BOX to plan from a profile")
+        if fleet_path is None:
+            raise click.UsageError("planning box BOX needs the fleet file that says how to reach it: add --fleet FILE")
+    elif profile_path is None or not models:
+        raise click.UsageError("give BOX with --fleet FILE, or --profile PROFILE.json with at least one --model ID")
+    result = (_plan_box(box, fleet_path, headers) if box is not None else
+              _plan_profile(profile_path, models, ctx, agents, base_port, catalogs, headers))
+    emit(result, as_json)

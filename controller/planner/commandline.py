@@ -1,0 +1,82 @@
+"""The llama-server command line and environment that carry a placement out on the pinned engine version.
+
+Placement (``controller.planner.placement``) decides where and how much; this module only spells
+those decisions in the flags the chosen engine build accepts, so a new engine version changes this
+file and the engine catalog, never the placement rules.
+"""
+
+from __future__ import annotations
+
+from controller.catalog import EngineEntry
+from controller.planner.fit import Fit
+from controller.planner.placement import Placement, split_fractions
+from controller.serveplan import Service
+
+CACHE_RAM_MIB = 16384  # the kit's -cram for ik_llama.cpp
+
+
+def tensor_split(fit: Fit, engine: EngineEntry, split_mode: str) -> str:
+    """``--tensor-split`` as each engine reads it.
+
+    Upstream's layer split counts layer slots, so the planner's whole-layer counts go verbatim;
+    ik_llama.cpp balances layers by their bytes itself, so it gets each card's usable memory;
+    tensor split divides every tensor by the shares.
+    """
+    if split_mode == "layer" and engine.family == "ik":
+        return ",".join(str(m) for m in fit.card_mib)
+    if split_mode == "layer":
+        return ",".join(f"{share:g}" for share in fit.shares)
+    return split_fractions(fit.shares)
+
+
+def environment(place: Placement, mixed_models: bool) -> dict[str, str]:
+    """CUDA_VISIBLE_DEVICES pinning, and the device order and all-reduce it depends on."""
+    if place.gpus is None:
+        return {}
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, place.gpus.gpus))}
+    if mixed_models:
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    if place.fit.split_mode == "tensor" and place.engine.nccl:
+        env["GGML_CUDA_ALLREDUCE"] = "nccl"
+    return env
+
+
+def command_line(service: Service, place: Placement, model_path: str, cram: bool) -> list[str]:
+    """The full llama-server argument list, in the flags the chosen engine version accepts."""
+    engine, fit = place.engine, place.fit
+    args = [
+        "--model", model_path,
+        "--alias", service.model,
+        "--host", service.host,
+        "--port", str(service.port),
+        "--ctx-size", str(service.ctx),
+        "--parallel", str(service.parallel),
+        "--threads", str(service.threads),
+        "--batch-size", str(service.batch),
+        "--ubatch-size", str(service.ubatch),
+        "--cache-type-k", service.cache_type_k,
+        "--cache-type-v", service.cache_type_v,
+        "--jinja",
+        "--metrics",
+    ]
+    if service.parallel > 1:
+        args += ["--cont-batching"] + ([] if engine.family == "ik" else ["--kv-unified"])
+    if service.n_gpu_layers:
+        args += ["--n-gpu-layers", str(service.n_gpu_layers), "--flash-attn", "on"]
+    if len(service.gpus) > 1:
+        args += ["--split-mode", service.split_mode, "--tensor-split", tensor_split(fit, engine, service.split_mode)]
+    if place.offload:
+        args += (["--fit", "--fit-margin", str(fit.fit_margin)] if engine.family == "ik"
+                 else ["--n-cpu-moe", str(fit.cpu_moe_layers)])
+    if service.spec_decoding:
+        args += ["--spec-type", service.spec_decoding]
+    if service.template_file:
+        args += ["--chat-template-file", service.template_file]
+    if cram:
+        args += ["-cram", str(CACHE_RAM_MIB)]
+    return args + load_flags(engine, mlock=service.mlock)
+
+
+def load_flags(engine: EngineEntry, *, mlock: bool) -> list[str]:
+    """How the engine loads the weights: locked in RAM (offloaded experts must never page out) or mapped."""
+    return list(engine.load_flags.get("mlock" if mlock else "mmap", []))

@@ -1,0 +1,106 @@
+"""Where a box gets what its plan needs: engine packs, model files, the driver and the service wrapper.
+
+The catalog pins what (file names, checksums); the fleet's mirrors say from where. Nothing here
+refuses: an address or checksum that is missing stays None in the plan, and rendering refuses it for
+the box that would install it, so ``controller plan`` still shows a plan for a box not yet ready.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from controller.catalog import Catalog, DownloadEntry, EngineEntry, ModelEntry
+from controller.errors import CatalogError
+from controller.facts import DRIVER_BRANCHES, DRIVER_DEFAULT_BRANCH, WINDOWS_DRIVER, is_v100
+from controller.fleet import Box, Mirror
+from controller.profile import HardwareProfile
+from controller.serveplan import Download, DriverPlan, EnginePack, ModelFile
+
+PLATFORMS = {"linux": "linux-x86_64", "windows": "windows-x86_64"}
+WINSW = "winsw-2.12.0"
+
+
+def engine_pack(engine: EngineEntry, os: str, mirror: Mirror | None) -> EnginePack:
+    """The engine's release pack for the box's platform, from the fleet's engines mirror (None: it has none)."""
+    platform = PLATFORMS[os]
+    pack = engine.packs.get(platform)
+    base = mirror.engines.rstrip("/") if mirror is not None and mirror.engines else None
+    download = None if pack is None else Download(
+        id=engine.id, version=engine.commit, file=pack.file, sha256=pack.sha256, what="mirror.engines",
+        url=f"{base}/{pack.file}" if base else None,
+        sha256sums_url=f"{base}/SHA256SUMS" if base and not pack.sha256 else None,
+    )
+    return EnginePack(id=engine.id, slot=engine.slot, commit=engine.commit, family=engine.family, platform=platform,
+                      nccl=engine.nccl, api_key_flag=engine.api_key.file_flag,
+                      no_slots_flags=list(engine.no_slots_flags), download=download)
+
+
+def model_file(entry: ModelEntry, os: str, mirror: Mirror | None) -> ModelFile:
+    """The model's GGUF from the models mirror, else the hub.
+
+    The role sends the hub token to the hub only; to the models mirror as well when the fleet says so
+    (``mirror.models_token``, https only: rendering refuses it over plain HTTP). Windows boxes get no token.
+    """
+    mirror_models = mirror.models if mirror is not None else None
+    try:
+        url = entry.url(mirror_models)
+    except CatalogError:
+        url = None
+    token = os == "linux" and bool(mirror_models) and bool(mirror is not None and mirror.models_token)
+    return ModelFile(id=entry.id, file=entry.file, url=url, sha256=entry.sha256, size_bytes=entry.size_bytes,
+                     token=token)
+
+
+def download(entry: DownloadEntry, mirror_base: str | None, what: str) -> Download:
+    url = f"{mirror_base.rstrip('/')}/{entry.file}" if mirror_base else entry.url
+    return Download(id=entry.id, version=entry.version, file=entry.file, url=url, sha256=entry.sha256, what=what)
+
+
+def catalog_download(catalog: Catalog, download_id: str, mirror_base: str | None, what: str) -> Download | None:
+    entry = catalog.downloads.get(download_id)
+    return None if entry is None else download(entry, mirror_base, what)
+
+
+def service_wrapper(box: Box, catalog: Catalog) -> Download | None:
+    """WinSW, which runs each llama-server as a Windows service."""
+    if box.os != "windows":
+        return None
+    return catalog_download(catalog, WINSW, box.mirror.engines, "mirror.engines")
+
+
+def plan_driver(box: Box, profile: HardwareProfile, catalog: Catalog, *, nccl: bool = False) -> DriverPlan:
+    """What the driver role does: leave it to the owner, or keep/install the driver the V100s need."""
+    v100 = any(is_v100(gpu.name) for gpu in profile.gpus)
+    reasons = []
+    if not box.driver.manage:
+        reasons.append("driver.manage is false: the box's owner keeps the NVIDIA driver")
+    elif not v100:
+        reasons.append("no V100 among the probed GPUs: the driver role leaves the box alone")
+    if box.os == "windows":
+        mode = "mcdm" if box.driver.wsl2 else "tcc"
+        installer = None
+        if box.driver.manage and v100:
+            installer = catalog_download(catalog, f"nvidia-windows-{WINDOWS_DRIVER}", box.mirror.drivers,
+                                         "mirror.drivers")
+            reasons.append(f"the R{DRIVER_BRANCHES[0]} data-center driver {WINDOWS_DRIVER}, and the V100s in "
+                           + ("MCDM: the box is used through WSL2" if mode == "mcdm" else
+                              "TCC, the native compute mode (MCDM decodes up to 43% slower)"))
+        return DriverPlan(manage=box.driver.manage, allow_reboot=box.driver.allow_reboot, mode=mode,
+                          installer=installer, reasons=reasons)
+    if box.driver.manage and v100:
+        reasons.append(f"driver branch R{box.driver.branch}"
+                       + (" (the last with Volta)" if box.driver.branch == DRIVER_DEFAULT_BRANCH else "")
+                       + " with the proprietary kernel modules (the open modules do not support Volta)")
+    if nccl:
+        reasons.append("NCCL: a service splits a dense model by tensor and all-reduces over NVLink with it")
+    return DriverPlan(manage=box.driver.manage, branch=box.driver.branch, allow_reboot=box.driver.allow_reboot,
+                      nccl=nccl, reasons=reasons)
+
+
+def unique(items: Iterable, key) -> list:
+    seen, out = set(), []
+    for item in items:
+        if key(item) not in seen:
+            seen.add(key(item))
+            out.append(item)
+    return out

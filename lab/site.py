@@ -1,0 +1,104 @@
+"""The lab's download site: a CPU engine release pack with SHA256SUMS, tiny models, and a catalog.
+
+Everything is written under one folder that ``lab.fileserver.FileServer`` serves:
+
+    engines/llama-cpu-0c1e570-linux-x86_64.tar.gz   bin/llama-server, bin/llama-bench, BUILD-INFO
+    engines/SHA256SUMS
+    lab/tiny-models-GGUF/<file>.gguf                   the hub layout: <org>/<repo>/<file>
+    catalog.yml                                        catalog entries for those models and the CPU
+                                                       engine, sha256 pinned (the site is plain HTTP, so
+                                                       its SHA256SUMS alone is not trusted)
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from controller.catalog import load_catalog
+from controller.files import write_atomic
+from lab import engine_build, tinymodels
+from lab.engine_build import sha256_file
+
+PACK_NAME = "llama-cpu-0c1e570-linux-x86_64.tar.gz"
+LAB_ENGINE = "cpu-0c1e570"
+MODEL_REPO = "lab/tiny-models-GGUF"
+
+
+@dataclass(frozen=True)
+class LabModel:
+    id: str
+    file: str
+    arch: str
+    file_type: str = "q8_0"
+
+
+DEMO_MODELS = (LabModel("tiny-llama", "tiny-llama-q8_0.gguf", "llama"),)
+
+
+def make_pack(engine_dir: Path, dest: Path) -> Path:
+    """A reproducible tar.gz with bin/ at its top level, as the llama_engine role expects."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=6) as archive:
+        for name, mode in (("bin", 0o755),):
+            info = tarfile.TarInfo(name)
+            info.type, info.mode, info.mtime = tarfile.DIRTYPE, mode, 0
+            archive.addfile(info)
+        for name in sorted(os.listdir(engine_dir)):
+            source = engine_dir / name
+            arcname = f"bin/{name}" if os.access(source, os.X_OK) else name
+            info = archive.gettarinfo(str(source), arcname)
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "root", "root"
+            with open(source, "rb") as handle:
+                archive.addfile(info, handle)
+    write_atomic(dest, buffer.getvalue())
+    return dest
+
+
+def write_sums(folder: Path) -> Path:
+    lines = [f"{sha256_file(path)}  {path.name}\n" for path in sorted(folder.iterdir())
+             if path.is_file() and path.name != "SHA256SUMS" and not path.name.startswith(".")]
+    target = folder / "SHA256SUMS"
+    write_atomic(target, "".join(lines))
+    return target
+
+
+def pinned_engine(pack: Path) -> dict[str, dict]:
+    """The built-in CPU engine entry with this pack's sha256 pinned (a catalog entry replaces the built-in one)."""
+    engine = load_catalog().engine(LAB_ENGINE)
+    body = engine.model_dump(mode="json", exclude={"id"}, exclude_none=True)
+    body["packs"]["linux-x86_64"] = {"file": pack.name, "sha256": sha256_file(pack)}
+    return {LAB_ENGINE: body}
+
+
+def build_site(root: Path, models: tuple[LabModel, ...] = DEMO_MODELS) -> Path:
+    """Fill ``root`` with the engine pack and the models; returns the catalog file."""
+    engines = root / "engines"
+    pack = engines / PACK_NAME
+    if not pack.exists():
+        make_pack(engine_build.build(), pack)
+    write_sums(engines)
+    entries = {}
+    for model in models:
+        path = root / MODEL_REPO / model.file
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp")
+            tinymodels.write_model(tmp, model.arch, file_type=model.file_type, name=model.id)
+            os.replace(tmp, path)
+        entries[model.id] = {
+            "name": f"Generated {model.arch} test model ({model.file_type})",
+            "repo": MODEL_REPO,
+            "file": model.file,
+            "size_bytes": path.stat().st_size,
+            "sha256": sha256_file(path),
+            "engine": "upstream",
+        }
+    catalog = root / "catalog.yml"
+    write_atomic(catalog, yaml.safe_dump({"models": entries, "engines": pinned_engine(pack)}, sort_keys=True))
+    return catalog

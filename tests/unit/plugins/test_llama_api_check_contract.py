@@ -1,0 +1,103 @@
+"""llama_api_check has one contract on both OSes: the Windows module (.ps1) lists and sets the fields that the
+Linux module documents in RETURN and returns, so llama_verify and the controller's verdict read the same answers."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import yaml
+
+from tests.unit.windows.powershell import parse_errors
+
+PLUGINS = Path(__file__).resolve().parents[3] / "plugins"
+LINUX = PLUGINS / "modules" / "llama_api_check.py"
+WINDOWS = PLUGINS / "windows_modules" / "llama_api_check.ps1"
+
+
+def _module_constant(name: str) -> str:
+    tree = ast.parse(LINUX.read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{LINUX.name} has no {name}")
+
+
+def linux_fields() -> dict[str, set[str]]:
+    """Documented RETURN fields: top-level name -> names of its sub-fields (empty for a scalar or list)."""
+    doc = yaml.safe_load(_module_constant("RETURN"))
+    return {name: set(entry.get("contains") or {}) for name, entry in doc.items()}
+
+
+def windows_listed_fields() -> dict[str, set[str]]:
+    """The RETURN list in the .ps1's header comment: `#   name: type (sub, fields)`."""
+    text = WINDOWS.read_text()
+    block = text[text.index("# RETURN"):].split("\n\n", 1)[0]
+    fields = {}
+    for line in block.splitlines()[1:]:
+        match = re.match(r"#\s+(\w+): \w+(?: \(([^)]*)\))?$", line)
+        assert match, f"unreadable RETURN line in {WINDOWS.name}: {line!r}"
+        fields[match.group(1)] = {part.strip() for part in (match.group(2) or "").split(",") if part.strip()}
+    return fields
+
+
+def windows_set_fields() -> dict[str, set[str]]:
+    """What the .ps1 code puts into $module.Result (top level, and the keys of each hashtable it assigns)."""
+    fields: dict[str, set[str]] = {}
+    lines = WINDOWS.read_text().splitlines()
+    for number, line in enumerate(lines):
+        match = re.match(r"^(\s*)\$module\.Result\.(\w+) = (.*)$", line)
+        if not match or match.group(2) == "changed":
+            continue
+        indent, name, value = match.groups()
+        keys = fields.setdefault(name, set())
+        if value.startswith("@{") and value.endswith("}"):  # inline: @{ a = 1; b = 2 }
+            keys.update(re.findall(r"(\w+) = ", value))
+        elif value == "@{":
+            for inner in lines[number + 1:]:
+                if inner == indent + "}":
+                    break
+                key = re.match(r"^\s+(\w+) = ", inner)
+                if key:
+                    keys.add(key.group(1))
+    return fields
+
+
+def test_both_modules_list_the_same_fields():
+    assert windows_listed_fields() == linux_fields()
+
+
+def test_the_windows_module_sets_every_listed_field():
+    documented = linux_fields()
+    assert windows_set_fields() == documented
+
+
+def test_the_windows_module_takes_the_same_options_and_parses():
+    assert parse_errors(WINDOWS.read_text()) == []
+    options = set(yaml.safe_load(_module_constant("DOCUMENTATION"))["options"])
+    spec = WINDOWS.read_text().split("options = @{", 1)[1].split("\n    }", 1)[0]
+    assert set(re.findall(r"^\s+(\w+) = @\{", spec, re.M)) == options
+
+
+def test_the_linux_module_returns_what_it_documents(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("llama_api_check", LINUX)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    answers = {
+        "/health": {"status": "ok"},
+        "/v1/models": {"data": [{"id": "tiny"}]},
+        "/v1/chat/completions": {"object": "chat.completion", "usage": {"completion_tokens": 3},
+                                 "timings": {"predicted_per_second": 12.345},
+                                 "choices": [{"message": {"content": "hi"}}]},
+        "/v1/messages": {"type": "message", "usage": {"output_tokens": 3}, "stop_reason": "max_tokens",
+                         "content": [{"type": "text", "text": "hi"}]},
+    }
+    monkeypatch.setattr(module, "call", lambda base, path, headers, timeout, body=None: answers[path])
+    monkeypatch.setattr(module, "status", lambda *args: 401)
+    result, problems = module.check("http://127.0.0.1:1", "tiny", "k" * 20, "hi", 4, 5)
+    assert problems == []
+    returned = {name: set(value) if isinstance(value, dict) else set() for name, value in result.items()}
+    assert returned == linux_fields()
