@@ -1,6 +1,7 @@
 """``controller plan``: the serving configuration that fits a box, and why.
 
-Two forms, one output (the ``ServePlan`` JSON contract ``{fits, services, unplaced}``):
+Two forms, one output (the ``ServePlan`` JSON contract: ``{fits, services, unplaced}``, extended with the OS,
+folders, engine packs, model files and driver the roles act on):
 
     controller plan box3 --fleet fleet.yml [--json]
         probe box3 read-only and plan the models its fleet entry wants;
