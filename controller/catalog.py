@@ -138,16 +138,12 @@ class EngineEntry(_Strict):
         """The install folder name shared by every version of this engine: "upstream", "ik", "cpu"."""
         return self.id.removesuffix(f"-{self.commit}")
 
-    def pack(self, platform: str) -> EnginePack:
-        try:
-            return self.packs[platform]
-        except KeyError:
-            have = ", ".join(sorted(self.packs))
-            raise CatalogError(f"engine {self.id} has no release pack for {platform} (packs: {have})") from None
-
 
 class DownloadEntry(_Strict):
-    """A file the Windows roles fetch besides engines and models: the driver installer, WinSW."""
+    """A file the Windows roles fetch besides engines and models: the driver installer, WinSW.
+
+    Where it comes from for a box is resolved by the planner (controller.planner.sources); rendering
+    refuses it unpinned, because it runs with full rights."""
 
     id: Name
     version: Name
@@ -155,20 +151,6 @@ class DownloadEntry(_Strict):
     url: Address | None = None  # the publisher's address; a fleet mirror (<base>/<file>) replaces it
     sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     description: str = ""
-
-    def source(self, mirror: str | None, what: str) -> tuple[str, str]:
-        """(url, sha256) to fetch it from, refusing an unpinned file: it runs as SYSTEM."""
-        url = f"{mirror.rstrip('/')}/{self.file}" if mirror else self.url
-        if not url:
-            raise CatalogError(f"{self.id}: no download address; set {what} in the fleet file to the folder "
-                               f"holding {self.file}")
-        if not self.sha256:
-            raise CatalogError(
-                f"{self.id}: no sha256 pinned for {self.file}; it runs with full rights on the box, so it is only "
-                f"installed when pinned. Hash the file you trust (PowerShell: Get-FileHash -Algorithm SHA256 "
-                f"{self.file}) and add it to a catalog file listed under 'catalogs:' in the fleet file:\n"
-                f"  downloads:\n    {self.id}:\n      sha256: <64 hex digits>")
-        return url, self.sha256
 
 
 class Catalog(_Strict):
@@ -181,9 +163,6 @@ class Catalog(_Strict):
 
     def engine(self, engine_id: str) -> EngineEntry:
         return _lookup(self.engines, "engine", engine_id)
-
-    def download(self, download_id: str) -> DownloadEntry:
-        return _lookup(self.downloads, "download", download_id)
 
 
 def _lookup(table: dict, kind: str, entry_id: str):

@@ -210,7 +210,7 @@ def driver_vars(box: Box, profile: HardwareProfile, driver: DriverPlan) -> dict[
     }
     if box.os == "windows":
         out["nvidia_driver_mode"] = driver.mode
-        if driver.installer is not None or (driver.manage and any(is_v100(gpu.name) for gpu in profile.gpus)):
+        if driver.installs:
             out["nvidia_driver_installer"] = _pinned_download(box, driver.installer, "Windows driver installer")
         return out
     out |= {"nvidia_driver_branch": driver.branch, "nvidia_driver_nccl": driver.nccl}

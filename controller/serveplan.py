@@ -70,6 +70,7 @@ class DriverPlan(_Model):
     branch: int | None = None  # Linux driver branch
     allow_reboot: bool = False
     nccl: bool = False  # install NCCL: a service all-reduces over NVLink with it
+    installs: bool = False  # the box has a V100 and the role manages its driver (keeps or installs it)
     mode: Literal["tcc", "mcdm"] | None = None  # Windows driver model for the V100s
     installer: Download | None = None  # Windows: the pinned data-center driver
     reasons: list[str] = Field(default_factory=list)
@@ -121,6 +122,3 @@ class ServePlan(_Model):
     models: list[ModelFile] = Field(default_factory=list)  # one per model file the services load
     service_wrapper: Download | None = None  # Windows: WinSW runs each server as a service
     driver: DriverPlan | None = None
-
-    def engine(self, engine_id: str) -> EnginePack:
-        return next(pack for pack in self.engines if pack.id == engine_id)

@@ -31,7 +31,7 @@ from controller.planner.placement import (
 from controller.planner.specs import MemoryModel, memory_model
 from controller.planner.topology import GpuPool
 from controller.profile import HardwareProfile
-from controller.serveplan import ServePlan, Service, ServiceMemory, Unplaced
+from controller.serveplan import ModelFile, ServePlan, Service, ServiceMemory, Unplaced
 
 MTP_SPEC = "mtp:n_max=3,p_min=0.75"
 BATCH = 2048
@@ -206,10 +206,12 @@ def plan_models(wanted: Sequence[WantedModel], profile: HardwareProfile, catalog
     unplaced = [r for _, r in sorted(results.items()) if isinstance(r, Unplaced)]
     engines = [sources.engine_pack(catalog.engine(engine_id), os, mirror)
                for engine_id in dict.fromkeys(service.engine for service in services)]
-    files = [sources.model_file(catalog.model(model_id), os, mirror)
-             for model_id in dict.fromkeys(service.model for service in services)]
+    files: dict[str, ModelFile] = {}  # one download per file, however many services load it
+    for service in services:
+        if service.model_file not in files:
+            files[service.model_file] = sources.model_file(catalog.model(service.model), os, mirror)
     return ServePlan(fits=not unplaced, services=services, unplaced=unplaced, os=os, model_dir=model_dir,
-                     template_dir=template_dir, engines=engines, models=sources.unique(files, lambda f: f.file))
+                     template_dir=template_dir, engines=engines, models=list(files.values()))
 
 
 def _names(entries: Sequence[ModelEntry]) -> list[str]:

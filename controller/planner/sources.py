@@ -7,8 +7,6 @@ the box that would install it, so ``controller plan`` still shows a plan for a b
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from controller.catalog import Catalog, DownloadEntry, EngineEntry, ModelEntry
 from controller.errors import CatalogError
 from controller.facts import DRIVER_BRANCHES, DRIVER_DEFAULT_BRANCH, WINDOWS_DRIVER, is_v100
@@ -85,22 +83,15 @@ def plan_driver(box: Box, profile: HardwareProfile, catalog: Catalog, *, nccl: b
             reasons.append(f"the R{DRIVER_BRANCHES[0]} data-center driver {WINDOWS_DRIVER}, and the V100s in "
                            + ("MCDM: the box is used through WSL2" if mode == "mcdm" else
                               "TCC, the native compute mode (MCDM decodes up to 43% slower)"))
-        return DriverPlan(manage=box.driver.manage, allow_reboot=box.driver.allow_reboot, mode=mode,
-                          installer=installer, reasons=reasons)
+        return DriverPlan(manage=box.driver.manage, installs=box.driver.manage and v100,
+                          allow_reboot=box.driver.allow_reboot, mode=mode, installer=installer, reasons=reasons)
     if box.driver.manage and v100:
         reasons.append(f"driver branch R{box.driver.branch}"
                        + (" (the last with Volta)" if box.driver.branch == DRIVER_DEFAULT_BRANCH else "")
                        + " with the proprietary kernel modules (the open modules do not support Volta)")
     if nccl:
         reasons.append("NCCL: a service splits a dense model by tensor and all-reduces over NVLink with it")
-    return DriverPlan(manage=box.driver.manage, branch=box.driver.branch, allow_reboot=box.driver.allow_reboot,
-                      nccl=nccl, reasons=reasons)
+    return DriverPlan(manage=box.driver.manage, installs=box.driver.manage and v100, branch=box.driver.branch,
+                      allow_reboot=box.driver.allow_reboot, nccl=nccl, reasons=reasons)
 
 
-def unique(items: Iterable, key) -> list:
-    seen, out = set(), []
-    for item in items:
-        if key(item) not in seen:
-            seen.add(key(item))
-            out.append(item)
-    return out
