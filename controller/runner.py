@@ -171,6 +171,7 @@ class _Stopper:
     def __init__(self) -> None:
         self.signals = 0
         self.since = 0.0
+        self.groups: set[int] = set()  # the process groups told to stop
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _Stopper:
@@ -188,25 +189,48 @@ class _Stopper:
         if self.signals == 1:
             self.since = time.monotonic()
             for pid in _child_process_groups():
+                self.groups.add(pid)
                 with contextlib.suppress(OSError):
                     os.killpg(pid, signal.SIGINT)
 
     def __call__(self) -> bool:
         return self.signals > 1 or (self.signals == 1 and time.monotonic() - self.since > STOP_GRACE_S)
 
+    def wait_stopped(self) -> None:
+        """Return once no process of the stopped groups lives on.
+
+        ansible-runner returns when ansible-playbook's main process ends; its forked workers (same
+        command line, same group) may still be unwinding. They get the rest of the grace period, then
+        SIGKILL, so an interrupted run leaves nothing behind.
+        """
+        deadline = self.since + STOP_GRACE_S
+        while self.groups and _live_members(self.groups):
+            if time.monotonic() > deadline:
+                for group in self.groups:
+                    with contextlib.suppress(OSError):
+                        os.killpg(group, signal.SIGKILL)
+                deadline = time.monotonic() + 2.0
+            time.sleep(0.05)
+
+
+def _proc_stats() -> Iterator[tuple[int, list[str]]]:
+    """(pid, the fields after the command name) of every process in /proc."""
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            yield int(entry.parent.name), entry.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+
+
+def _live_members(groups: set[int]) -> bool:
+    """Whether a process that is not a zombie belongs to one of ``groups``."""
+    return any(fields[0] != "Z" and int(fields[2]) in groups for _pid, fields in _proc_stats())
+
 
 def _child_process_groups() -> list[int]:
     """This process's children that lead their own process group (ansible-runner's pexpect child)."""
-    me, found = os.getpid(), []
-    for entry in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = entry.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        pid = int(entry.parent.name)
-        if int(fields[1]) == me and int(fields[2]) == pid:  # ppid, pgrp
-            found.append(pid)
-    return found
+    me = os.getpid()
+    return [pid for pid, fields in _proc_stats() if int(fields[1]) == me and int(fields[2]) == pid]  # ppid, pgrp
 
 
 def base_env() -> dict[str, str]:
@@ -320,6 +344,7 @@ def run_playbook(
                 suppress_env_files=True,
                 cancel_callback=stopper,
             )
+        stopper.wait_stopped()
     result = RunResult(
         playbook=playbook,
         status=runner.status,

@@ -198,3 +198,21 @@ def test_a_secret_holding_a_template_arrives_verbatim(tmp_path: Path) -> None:
     run_playbook(str(play), inventory=inventory, secrets={"llama_service_api_key": key})
     assert not marker.exists()
     assert seen.read_text() == key
+
+
+def test_a_stopped_group_that_ignores_ctrl_c_is_killed_after_the_grace_period() -> None:
+    """A worker left behind by ansible-playbook (same group, deaf to SIGINT) does not outlive the run."""
+    from controller import runner
+
+    deaf = subprocess.Popen(["sh", "-c", "trap '' INT; sleep 60"], start_new_session=True)
+    try:
+        stopper = runner._Stopper()
+        stopper.groups.add(deaf.pid)
+        stopper.since = time.monotonic() - runner.STOP_GRACE_S  # the grace period is over
+        started = time.monotonic()
+        stopper.wait_stopped()
+        assert time.monotonic() - started < 5
+        assert deaf.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        if deaf.poll() is None:
+            deaf.kill()
