@@ -27,5 +27,30 @@ def reachable_host(bind: str) -> str:
     return facts.reachable_host(bind)
 
 
+def openclaw_merge(text: str, services: list[dict], keys: dict[str, str], source: str = "the OpenClaw config") -> str:
+    """An OpenClaw config (JSON5 text) with the box's services merged in as providers (controller.clients decides how).
+
+    ``services`` is the rendered ``agent_clients_services``; ``keys`` maps each service's ``key`` to its API key.
+    """
+    from controller.clients import merge_openclaw
+
+    for service in services:
+        provider = {**service["openclaw_provider"], "apiKey": keys[service.get("key", service["name"])]}
+        text = merge_openclaw(text, service["openclaw_provider_id"], provider, source)
+    return text
+
+
+def openclaw_problem(text: str, source: str = "the OpenClaw config") -> str:
+    """Why an OpenClaw config cannot take the box's providers (not JSON5, not an object), or "" when it can."""
+    from controller.clients import OpenClawConfigError, merge_openclaw
+
+    try:
+        merge_openclaw(text, "check", {}, source)
+    except OpenClawConfigError as exc:
+        return str(exc)
+    return ""
+
+
 def filters() -> dict[str, object]:
-    return {"systemd_quote": systemd_quote, "systemd_command": systemd_command, "reachable_host": reachable_host}
+    return {"systemd_quote": systemd_quote, "systemd_command": systemd_command, "reachable_host": reachable_host,
+            "openclaw_merge": openclaw_merge, "openclaw_problem": openclaw_problem}

@@ -10,9 +10,18 @@ from pathlib import Path
 from typing import Annotated
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from controller.errors import CatalogError
+from controller.facts import NEWEST_KNOWN_ARCH, VOLTA_ARCH
 
 # A GGUF metadata value as the catalog writes it: a number, a flag, or one value per layer.
 HParam = int | float | bool | list[int] | list[bool]
@@ -21,6 +30,7 @@ HParam = int | float | bool | list[int] | list[bool]
 # of the servers: one plain word each, never a path (no separators, no "..") and never a template.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_FIRST_ARCH = 30  # sm_30, the oldest architecture CMake names
 
 
 def _name(value: str) -> str:
@@ -58,6 +68,31 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class TokenizerFacts(_Strict):
+    """The vocabulary facts llama.cpp compares before it drafts with a second model, transcribed from a GGUF's
+    ``tokenizer.ggml.*`` keys (``model``, ``pre``, the token count, BOS/EOS ids and whether they are added).
+
+    ``controller.planner.draft`` compares two entries' facts when their GGUF headers are not read; with
+    the headers it compares the token texts themselves, as the engine does."""
+
+    model: Name  # tokenizer.ggml.model: gpt2 (BPE), llama (SentencePiece), ...
+    pre: Name | None = None  # tokenizer.ggml.pre: the pre-tokenizer, a stand-in for the token texts
+    tokens: int = Field(ge=1)  # len(tokenizer.ggml.tokens)
+    bos: int | None = None
+    eos: int | None = None
+    add_bos: bool = False
+    add_eos: bool = False
+
+
+class DraftPairing(_Strict):
+    """A draft model the catalog recommends for a target, with the speedup it is expected to give and
+    where that figure comes from."""
+
+    id: Name  # the draft's catalog id
+    speedup: OneLine  # e.g. "~55 -> ~100 tok/s (1.8x)"
+    source: OneLine  # where the figure was measured
+
+
 class ModelEntry(_Strict):
     id: Name
     name: OneLine
@@ -84,6 +119,8 @@ class ModelEntry(_Strict):
     tied_embeddings: bool = False  # the output layer reuses token_embd (no output.weight in the GGUF)
     measured: bool = False
     kv_bytes_per_token: dict[str, int] = Field(default_factory=dict)
+    tokenizer: TokenizerFacts | None = None  # what a draft pairing compares when no GGUF header is read
+    drafts: list[DraftPairing] = Field(default_factory=list)  # recommended draft models, best first
 
     @model_validator(mode="after")
     def _shape_is_complete(self) -> ModelEntry:
@@ -119,6 +156,22 @@ class EngineApiKey(_Strict):
     env: OneLine | None = None
 
 
+class EngineDraftFlags(_Strict):
+    """How an engine version spells the draft-model options of speculative decoding. An engine without
+    them in the catalog is never given a draft model. ``ctx`` is None where the version has no draft
+    context flag (the draft then allocates the target's ``--ctx-size``)."""
+
+    model: OneLine
+    n_max: OneLine
+    n_min: OneLine
+    gpu_layers: OneLine
+    device: OneLine
+    cache_type_k: OneLine
+    cache_type_v: OneLine
+    ctx: OneLine | None = None
+    enable: list[OneLine] = Field(default_factory=list)  # flags that turn drafting on besides naming the model
+
+
 class EngineEntry(_Strict):
     id: Name
     family: Name
@@ -131,7 +184,39 @@ class EngineEntry(_Strict):
     load_flags: dict[str, list[OneLine]] = Field(default_factory=dict)
     api_key: EngineApiKey = Field(default_factory=EngineApiKey)
     no_slots_flags: list[OneLine] = Field(default_factory=lambda: ["--no-slots"])  # turn off GET /slots
+    draft: EngineDraftFlags | None = None  # the draft-model flags; None: the catalog gives this engine no draft
     packs: dict[str, EnginePack]
+    # The CUDA architectures the build carries machine code for, as CMAKE_CUDA_ARCHITECTURES numbers:
+    # [70] (the kit's packs, and the default for a GPU build), [70, 86] or "70;86" for a build for several.
+    # A CPU-only build has none.
+    cuda_archs: list[int] | None = None
+
+    @field_validator("cuda_archs", mode="before")
+    @classmethod
+    def _known_archs(cls, value: object) -> object:
+        if value is None:
+            return None
+        parts = value.split(";") if isinstance(value, str) else value if isinstance(value, list) else [value]
+        archs = []
+        for part in parts:
+            text = str(part).strip()
+            if isinstance(part, bool) or not text.isdigit() or not _FIRST_ARCH <= int(text) <= NEWEST_KNOWN_ARCH:
+                raise ValueError(f"{text or repr(value)} is not a CUDA architecture: write CMake's numbers, e.g. "
+                                 f"[{VOLTA_ARCH}] for the V100, [{VOLTA_ARCH}, 86] (or '{VOLTA_ARCH};86') for a build "
+                                 f"that also runs on the RTX 30 series")
+            archs.append(int(text))
+        return sorted(set(archs))
+
+    @model_validator(mode="after")
+    def _archs_of_the_build(self) -> EngineEntry:
+        if self.cpu_only and self.cuda_archs:
+            raise ValueError("a cpu_only build carries no CUDA code: drop cuda_archs or cpu_only")
+        if not self.cpu_only and self.cuda_archs == []:
+            raise ValueError(f"cuda_archs is empty: a GPU build names the architectures it carries, e.g. "
+                             f"[{VOLTA_ARCH}]")
+        if self.cuda_archs is None:
+            self.cuda_archs = [] if self.cpu_only else [VOLTA_ARCH]
+        return self
 
     @property
     def slot(self) -> str:

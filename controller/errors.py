@@ -46,3 +46,16 @@ class VerifyError(ControllerError, exit_code=6):
 
 class SetupError(ControllerError, exit_code=2):
     """This installation lacks something the command needs (``controller demo`` needs a clone's lab/)."""
+
+
+class DraftError(ControllerError, exit_code=2):
+    """A draft model its target cannot use at all: larger than the target, or on an engine without draft flags."""
+
+
+class LockError(ControllerError, exit_code=7):
+    """The fleet's lock does not match: another fleet's lock, a box it names that the fleet lacks, or a box whose
+    fresh plan, catalog checksums or engines differ from what the lock says (``controller lock --update``)."""
+
+
+class FleetRunError(ControllerError, exit_code=8):
+    """A run over several boxes finished, and some of them failed or were unreachable (the summary names them)."""

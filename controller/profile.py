@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from controller.facts import is_v100
+from controller.facts import VOLTA_ARCH, cuda_arch, is_v100
 
 
 class _Model(BaseModel):
@@ -30,6 +30,11 @@ class Gpu(_Model):
     @property
     def is_v100(self) -> bool:
         return is_v100(self.name)
+
+    @property
+    def arch(self) -> int | None:
+        """The card's CUDA architecture (86 for compute capability 8.6); a V100 is sm_70 even unprobed."""
+        return cuda_arch(self.compute_capability) or (VOLTA_ARCH if self.is_v100 else None)
 
 
 class Driver(_Model):

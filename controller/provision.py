@@ -16,6 +16,7 @@ from controller.errors import PlanError
 from controller.files import inventory_lock
 from controller.fleet import Box, Fleet
 from controller.planner import plan_box, plan_driver
+from controller.planner.gateway import plan_gateway
 from controller.probe.driver import driver_window_problem
 from controller.profile import HardwareProfile
 from controller.render import render_box, secrets_for
@@ -49,10 +50,29 @@ def check_driver(box: Box, profile: HardwareProfile) -> None:
         raise PlanError(f"box {box.name}: {problem}; then provision again")
 
 
+def rendered_plan(inventory: Path, box_name: str) -> ServePlan | None:
+    """The plan last rendered for a box (None: never rendered, or not a plan file)."""
+    path = inventory / "plans" / f"{box_name}.json"
+    try:
+        return ServePlan.model_validate_json(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def add_gateway(fleet: Fleet, box: Box, plan: ServePlan, inventory: Path) -> None:
+    """Plan the box's gateway (when the fleet gives it one) over the plans rendered for the boxes it routes to."""
+    if box.gateway is not None:
+        plan.gateway = plan_gateway(box, plan, {name: (fleet.box(name), rendered_plan(inventory, name))
+                                                for name in box.gateway.boxes if name != box.name})
+
+
 def box_and_catalog(fleet: Fleet, box_name: str) -> tuple[Box, Catalog]:
     box = fleet.box(box_name)
     catalog = load_catalog(fleet.catalogs)
     fleet.check_models_known(box, catalog.models)  # before touching the network
+    for wanted in box.models:
+        if wanted.engine is not None:
+            catalog.engine(wanted.engine)  # an engine pack the fleet names: known before any connection
     return box, catalog
 
 
@@ -72,6 +92,7 @@ def _prepare(fleet: Fleet, box: Box, catalog: Catalog, inventory: Path) -> Prepa
     if not plan.services:
         reasons = "; ".join(f"{item.model}: {item.reason}" for item in plan.unplaced)
         raise PlanError(f"box {box.name}: no wanted model fits: {reasons}")
+    add_gateway(fleet, box, plan, inventory)
     render_box(inventory, fleet, box, profile, plan)
     return Prepared(box, catalog, profile, plan, seconds)
 
@@ -86,8 +107,8 @@ def provision(fleet: Fleet, box_name: str, inventory: Path, on_event: EventHandl
         prepared = prepare(fleet, box_name, inventory)
         box = prepared.box
         try:
-            result = run_playbook("site.yml", inventory=inventory, limit=box.name, secrets=secrets_for(box),
-                                  on_event=on_event)
+            result = run_playbook("site.yml", inventory=inventory, limit=box.name,
+                                  secrets=secrets_for(box, fleet), on_event=on_event)
         except RunInterrupted as stopped:
             report = build_report(box, prepared.profile, prepared.plan, stopped.result,
                                   results(stopped.result, box), prepared.probe_seconds)

@@ -24,12 +24,13 @@ from typing import Any
 
 import yaml
 
+from controller.clients import role_services
 from controller.errors import CatalogError, FleetError, PlanError
 from controller.facts import driver_window, is_v100
 from controller.files import write_atomic
 from controller.fleet import Box, Fleet
 from controller.profile import HardwareProfile
-from controller.serveplan import Download, DriverPlan, ServePlan
+from controller.serveplan import Download, DriverPlan, GatewayPlan, ServePlan
 from controller.transports.known_hosts import known_hosts_file
 
 HEADER = "# Rendered by `controller`; edit the fleet file and re-render rather than this file.\n"
@@ -144,14 +145,15 @@ def _engine_packs(box: Box, plan: ServePlan) -> list[dict[str, Any]]:
             # The pack runs as the engine on the box and root unpacks it: a SHA256SUMS file from the same
             # plain-HTTP mirror could be forged along with it.
             raise CatalogError(
-                f"box {box.name}: engine {engine.id} has no sha256 pinned for {download.file}, and mirror.engines "
+                f"box {box.name}: engine {engine.id} has no sha256 pinned for {download.file}, and {download.what} "
                 f"({url.rsplit('/', 1)[0]}) is plain HTTP, so its SHA256SUMS cannot be trusted; pin the pack: copy "
                 f"the entry engines.{engine.id} of the built-in engines.yml into a catalog file listed under "
                 f"'catalogs:' and add sha256: <64 hex digits> to packs.{engine.platform} (sha256sum "
                 f"{download.file}), or serve the mirror over https"
             )
         packs.append({"name": engine.slot, "version": engine.commit, "url": url, "sha256": download.sha256 or "",
-                      "sha256sums_url": download.sha256sums_url or "", "nccl": engine.nccl})
+                      "sha256sums_url": download.sha256sums_url or "", "nccl": engine.nccl}
+                     | ({"fallback_url": download.fallback_url} if download.fallback_url else {}))
     return packs
 
 
@@ -185,7 +187,8 @@ def _model_files(box: Box, plan: ServePlan) -> list[dict[str, Any]]:
                 f"HTTP; serve the models mirror over https or remove models_token"
             )
         files.append({"name": model.file, "url": model.url, "sha256": model.sha256, "size": model.size_bytes}
-                     | ({"token": True} if model.token else {}))
+                     | ({"token": True} if model.token else {})
+                     | ({"fallback_url": model.fallback_url} if model.fallback_url else {}))
     return files
 
 
@@ -222,6 +225,33 @@ def driver_vars(box: Box, profile: HardwareProfile, driver: DriverPlan) -> dict[
     return out
 
 
+def cache_vars(box: Box) -> dict[str, Any]:
+    """The fleet's LAN cache: on its host, roles/lan_cache's server; on every Linux box, the download roles' check.
+
+    The download roles ask the cache's health URL first; when it does not answer they fetch each file's
+    fallback_url (present only when the fleet allows it) or stop naming the cache host.
+    """
+    cache = box.mirror.cache
+    if cache is None or box.os != "linux":
+        return {}
+    check = {"host": cache.host, "health_url": cache.health_url}
+    out: dict[str, Any] = {}
+    if cache.models:
+        out["gguf_model_cache"] = check
+    if cache.engines:
+        out["llama_engine_cache"] = check
+    if cache.serve is not None:
+        out |= {
+            "lan_cache_serve": True,
+            "lan_cache_bind": cache.serve.bind,
+            "lan_cache_port": cache.serve.port,
+            "lan_cache_allow_from": cache.serve.allow_from,
+            "lan_cache_upstreams": {kind: base for kind, base in (("models", cache.models),
+                                                                  ("engines", cache.engines)) if base},
+        }
+    return out
+
+
 def host_vars(box: Box, profile: HardwareProfile, plan: ServePlan | None, driver: DriverPlan | None = None,
               ) -> dict[str, Any]:
     """What the roles need on this box, projected from the plan; without services, the driver role's inputs.
@@ -234,7 +264,7 @@ def host_vars(box: Box, profile: HardwareProfile, plan: ServePlan | None, driver
         raise PlanError(f"box {box.name}: the plan has no driver decision; plan the box again")
     linux = {"ansible_python_interpreter": "/usr/bin/python3"} if box.os == "linux" else {}
     if plan is None:
-        return {**linux, **driver_vars(box, profile, driver), **box.vars}
+        return {**linux, **driver_vars(box, profile, driver), **cache_vars(box), **box.vars}
     if not plan.services:
         raise PlanError(f"box {box.name}: the plan places no service; nothing to provision")
     slots = {engine.id: engine for engine in plan.engines}
@@ -244,6 +274,7 @@ def host_vars(box: Box, profile: HardwareProfile, plan: ServePlan | None, driver
         "llama_engine_packs": _engine_packs(box, plan),
         "gguf_model_dir": plan.model_dir,
         "gguf_model_files": _model_files(box, plan),
+        **cache_vars(box),
         "llama_service_bind": box.bind,
         "llama_service_allow_from": box.allow_from,
         "llama_service_instances": [
@@ -264,13 +295,35 @@ def host_vars(box: Box, profile: HardwareProfile, plan: ServePlan | None, driver
         ],
         "llama_service_templates": sorted({s.template for s in plan.services if s.template}),
         "llama_service_template_dir": plan.template_dir,
+        "agent_clients_services": role_services(box, plan),
         "llama_verify_nccl": uses_nccl(plan),
     }
+    archs = sorted({arch for engine in plan.engines for arch in engine.cuda_archs})
+    if archs:  # a source build (llama_engine_source) targets the architectures of the plan's GPU builds
+        merged["llama_engine_cuda_architectures"] = archs
     if box.os == "windows":
         merged["llama_service_winsw"] = _pinned_download(box, plan.service_wrapper, "WinSW service wrapper")
+    else:
+        merged |= gateway_vars(plan.gateway)
     merged |= box.vars
     check_exposure(box, merged)
     return merged
+
+
+def gateway_vars(gateway: GatewayPlan | None) -> dict[str, Any]:
+    """roles/llm_gateway's inputs; without them (its default: no routes) the role removes a gateway it installed."""
+    if gateway is None:
+        return {}
+    return {
+        "llm_gateway_bind": gateway.bind,
+        "llm_gateway_port": gateway.port,
+        "llm_gateway_metrics_port": gateway.metrics_port,
+        "llm_gateway_allow_from": gateway.allow_from,
+        "llm_gateway_buffer_bytes": gateway.buffer_bytes,
+        "llm_gateway_connect_timeout_ms": gateway.connect_timeout_ms,
+        "llm_gateway_idle_timeout_s": gateway.idle_timeout_s,
+        "llm_gateway_routes": [route.model_dump(mode="json") for route in gateway.routes],
+    }
 
 
 def _bound_hosts(instance: dict[str, Any]) -> list[str]:
@@ -329,9 +382,20 @@ def check_api_key(key: str, what: str) -> str:
     return key
 
 
-def secrets_for(box: Box) -> dict[str, str]:
-    """The playbook variables that carry the box's secrets (handed to each run, never rendered)."""
-    secrets = {}
+def secrets_for(box: Box, fleet: Fleet | None = None) -> dict[str, Any]:
+    """The playbook variables that carry the box's secrets (handed to each run, never rendered).
+
+    With the fleet, a box with a gateway also gets the gateway's key and the keys of the other boxes it
+    routes to (their servers ask for them).
+    """
+    secrets: dict[str, Any] = {}
+    if box.gateway is not None and box.os == "linux":
+        what = f"box {box.name} gateway.api_key"
+        secrets["llm_gateway_api_key"] = check_api_key(box.gateway.api_key.resolve(what), what)
+        if fleet is not None:
+            secrets["llm_gateway_box_keys"] = {
+                name: check_api_key(fleet.boxes[name].api_key.resolve(f"box {name} api_key"), f"box {name} api_key")
+                for name in box.gateway.boxes if name != box.name and fleet.boxes[name].api_key is not None}
     if box.api_key is not None:
         what = f"box {box.name} api_key"
         secrets["llama_service_api_key"] = check_api_key(box.api_key.resolve(what), what)
@@ -352,6 +416,9 @@ def hosts_yml(fleet: Fleet, profiles: dict[str, HardwareProfile], known_hosts: P
         names = [group for group in names if _GROUP_NAME.match(group)]  # derived from probes: keep them plain
         for group in sorted(set(names) | {box.os}):
             groups.setdefault(group, {"hosts": {}})["hosts"][name] = connection_vars(box, known_hosts) if group == box.os else {}
+    for group, members in sorted(fleet.groups.items()):  # the fleet's own groups, for --limit GROUP
+        for name in sorted(members):
+            groups.setdefault(group, {"hosts": {}})["hosts"].setdefault(name, {})
     return {"all": {"children": {group: groups[group] for group in sorted(groups)}}}
 
 

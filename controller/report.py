@@ -36,6 +36,26 @@ def driver_section(box: Box, run: RunResult | None) -> dict[str, Any]:
     return section
 
 
+def cache_section(box: Box, run: RunResult | None) -> dict[str, Any] | None:
+    """Where the box's model files and engine packs came from when the fleet has a LAN cache (None: no cache).
+
+    The download roles publish, per kind, whether the cache answered and whether they fell back to upstream.
+    """
+    cache = box.mirror.cache
+    if cache is None:
+        return None
+    seen = ((run.data.get("lan_cache") or {}).get(box.name) or {}) if run is not None else {}
+    notes = []
+    for kind in ("models", "engines"):
+        item = seen.get(kind) or {}
+        if item and not item.get("answered"):
+            notes.append(f"the LAN cache on {cache.host} ({cache.url}) did not answer: {kind} "
+                         + ("came from upstream (the fleet allows it: cache.fallback: true)" if item.get("fallback")
+                            else "still to download stopped provisioning (cache.fallback: false)"))
+    return {"host": cache.host, "url": cache.url, "fallback_allowed": cache.fallback,
+            **{kind: seen[kind] for kind in ("models", "engines") if kind in seen}, "notes": notes}
+
+
 def build_report(box: Box, profile: HardwareProfile, plan: ServePlan, run: RunResult | None,
                  verify: dict[str, Any], probe_seconds: float) -> dict[str, Any]:
     """The report of one box; ``verify`` is what its checks answered (controller.verify.results)."""
@@ -75,6 +95,7 @@ def build_report(box: Box, profile: HardwareProfile, plan: ServePlan, run: RunRe
             "stopped_at": run.last_task if run.status == "interrupted" else None,
         },
         "driver": driver_section(box, run),
+        "cache": cache_section(box, run),
         "services": services,
         "unplaced": [item.model_dump() for item in plan.unplaced],
         "verified": outcome.verified,
@@ -101,6 +122,11 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"- {driver['status']}: version {driver.get('version') or 'none'}"
                          + (f", {driver['message']}" if driver.get("message") else ""))
         lines += [f"- Note: {note}" for note in driver.get("notes", [])]
+    cache = report.get("cache") or {}
+    if cache:
+        lines += ["", "## LAN cache", f"- Files through the cache on {cache['host']} ({cache['url']}); upstream "
+                  f"fallback {'allowed' if cache['fallback_allowed'] else 'not allowed'}"]
+        lines += [f"- Note: {note}" for note in cache.get("notes", [])]
     lines += ["", "## Services"]
     for service in report["services"]:
         openai, anthropic = service.get("openai") or {}, service.get("anthropic") or {}

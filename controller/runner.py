@@ -98,6 +98,25 @@ class _VerbatimDumper(yaml.SafeDumper):
 _VerbatimDumper.add_representer(str, lambda dumper, data: dumper.represent_scalar("!unsafe", data))
 
 
+class _UnsafeText(str):
+    """A secret's value in a host-secrets inventory: written ``!unsafe`` (host and variable names stay plain)."""
+
+
+class _HostSecretsDumper(yaml.SafeDumper):
+    pass
+
+
+_HostSecretsDumper.add_representer(_UnsafeText, lambda dumper, data: dumper.represent_scalar("!unsafe", str(data)))
+
+
+def _unsafe(value: Any) -> Any:
+    if isinstance(value, str):
+        return _UnsafeText(value)
+    if isinstance(value, Mapping):
+        return {key: _unsafe(item) for key, item in value.items()}
+    return value
+
+
 class RunInterrupted(RunError):
     """Ctrl-C (or SIGTERM) stopped a run; ``result`` says how far it got."""
 
@@ -267,9 +286,19 @@ def run_playbook(
     on_event: EventHandler | None = None,
     artifact_root: Path | None = None,
     timeout: int | None = None,
+    host_secrets: Mapping[str, Mapping[str, Any]] | None = None,
+    forks: int | None = None,
+    raise_on_failure: bool = True,
+    hosts_file: str = "hosts.yml",
 ) -> RunResult:
     """Run ``playbooks/<playbook>`` and return its result; raise RunError or TransportError on failure,
-    RunInterrupted on Ctrl-C (after ansible-playbook stopped)."""
+    RunInterrupted on Ctrl-C (after ansible-playbook stopped).
+
+    ``secrets`` go to every host of the run (extra vars); ``host_secrets`` (box -> variables) each to its
+    own host only, as host variables of a private second inventory source (a fleet run: each box its own
+    keys). ``forks``: Ansible's parallel hosts (default: ansible.cfg's). With ``raise_on_failure=False``
+    a run that failed on some hosts comes back as its result (the caller reads each host's stats).
+    """
     import ansible_runner
 
     path = PLAYBOOKS / playbook
@@ -315,12 +344,23 @@ def run_playbook(
     with inventory_lock(inventory, f"ansible-playbook {playbook}"), \
             tempfile.TemporaryDirectory(prefix="v100box-run-") as private, _Stopper() as stopper:
         cmdline = []
+        # workstations.yml for playbooks/clients.yml; then, in a fleet run, the boxes' own secrets
+        sources = [str((inventory / hosts_file).resolve())]
         if secrets:
             secrets_file = Path(private) / "secrets.yml"
             fd = os.open(secrets_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as secrets_out:
                 yaml.dump(dict(secrets), secrets_out, Dumper=_VerbatimDumper)
             cmdline = ["-e", f"@{secrets_file}"]
+        per_host = {host: {key: _unsafe(value) for key, value in values.items() if value}
+                    for host, values in (host_secrets or {}).items()}
+        if any(per_host.values()):
+            secrets_hosts = Path(private) / "secrets-hosts.yml"
+            fd = os.open(secrets_hosts, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as hosts_out:
+                yaml.dump({"all": {"hosts": {host: values for host, values in per_host.items() if values}}},
+                          hosts_out, Dumper=_HostSecretsDumper)
+            sources.append(str(secrets_hosts))
         data_dir = Path(private) / "data"
         (data_dir / "env").mkdir(parents=True)
         (data_dir / "env" / "settings").write_text("pexpect_timeout: 1\n")  # how often a Ctrl-C is noticed
@@ -330,7 +370,7 @@ def run_playbook(
                 artifact_dir=str(artifact_root),
                 rotate_artifacts=20,
                 playbook=str(path),
-                inventory=str((inventory / "hosts.yml").resolve()),
+                inventory=sources if len(sources) > 1 else sources[0],
                 limit=limit,
                 extravars=dict(extravars or {}),
                 cmdline=shlex.join(cmdline) if cmdline else None,
@@ -341,6 +381,7 @@ def run_playbook(
                 event_handler=handle,
                 quiet=True,
                 timeout=timeout,
+                forks=forks,
                 suppress_env_files=True,
                 cancel_callback=stopper,
             )
@@ -361,7 +402,7 @@ def run_playbook(
         where = f" during task '{result.last_task}'" if result.last_task else " before its first task"
         raise RunInterrupted(f"{playbook} interrupted{where}; run the same command again to finish "
                              f"(artifacts: {result.artifact_dir})", result)
-    if runner.status == "successful":
+    if runner.status == "successful" or (not raise_on_failure and runner.status == "failed"):
         return result
     unreachable = [task for task in failed if task.unreachable]
     if unreachable:

@@ -36,6 +36,8 @@ class Download(_Model):
     sha256: str | None = None
     sha256sums_url: str | None = None  # an engine pack without a pinned sha256: the mirror's SHA256SUMS
     what: str = ""  # the fleet setting that gives its address, e.g. "mirror.engines"
+    cache: str | None = None  # the LAN cache host ``url`` goes through (the fleet's cache.host)
+    fallback_url: str | None = None  # upstream, used when the cache is down and the fleet allows it
 
 
 class EnginePack(_Model):
@@ -50,6 +52,7 @@ class EnginePack(_Model):
     api_key_flag: str = "--api-key-file"
     no_slots_flags: list[str] = Field(default_factory=list)
     download: Download | None = None  # None: the engine has no release pack for this platform
+    cuda_archs: list[int] = Field(default_factory=list)  # what the build carries code for; a source build targets them
 
 
 class ModelFile(_Model):
@@ -61,6 +64,8 @@ class ModelFile(_Model):
     sha256: str | None = None
     size_bytes: int | None = None
     token: bool = False  # also send the hub token to this (mirror) address: the fleet's mirror.models_token
+    cache: str | None = None  # the LAN cache host ``url`` goes through (the fleet's cache.host)
+    fallback_url: str | None = None  # upstream, used when the cache is down and the fleet allows it
 
 
 class DriverPlan(_Model):
@@ -73,6 +78,22 @@ class DriverPlan(_Model):
     installs: bool = False  # the box has a V100 and the role manages its driver (keeps or installs it)
     mode: Literal["tcc", "mcdm"] | None = None  # Windows driver model for the V100s
     installer: Download | None = None  # Windows: the pinned data-center driver
+    reasons: list[str] = Field(default_factory=list)
+
+
+class DraftService(_Model):
+    """The draft model a service decodes speculatively with (``controller.planner.draft``).
+
+    ``args_added`` are the flags the draft adds to the service's ``args`` (already in them);
+    ``memory`` is the draft's own share (its weights, its own KV cache and compute) of the service's
+    memory. A pair the engine would refuse is kept with ``compatible: false``, no flags and the reason,
+    and its file is never downloaded."""
+
+    model: str  # catalog id of the draft
+    model_file: str
+    args_added: list[str] = Field(default_factory=list)
+    memory: ServiceMemory = Field(default_factory=ServiceMemory)
+    compatible: bool = True
     reasons: list[str] = Field(default_factory=list)
 
 
@@ -104,11 +125,46 @@ class Service(_Model):
     mlock: bool = False  # the weights are locked in RAM (expert offload): the service may lock memory
     nccl: bool = False  # tensor split all-reduces through NCCL (GGML_CUDA_ALLREDUCE=nccl)
     template_file: str | None = None  # the chat template's path on the box
+    draft: DraftService | None = None  # speculative decoding with a draft model; None: no draft model
 
 
 class Unplaced(_Model):
     model: str
     reason: str
+
+
+class IdleGpu(_Model):
+    """A card of the box that no service uses, and why (no engine build for it, or nothing left to place)."""
+
+    index: int
+    name: str
+    arch: int | None = None  # CUDA architecture, e.g. 86 for an RTX 3090
+    reason: str
+
+
+class GatewayRoute(_Model):
+    """A model id and the planned service that answers it: on the gateway's own box or another box of the fleet."""
+
+    model: str
+    box: str
+    service: str  # its unit name (on the gateway's own box, the role reads its key file by this name)
+    host: str  # the address the gateway connects to (loopback for its own box)
+    port: int
+    local: bool
+
+
+class GatewayPlan(_Model):
+    """The box's gateway: one OpenAI and one Anthropic endpoint that route by the request's model name."""
+
+    bind: str
+    port: int
+    metrics_port: int
+    allow_from: list[str] = Field(default_factory=list)
+    buffer_bytes: int  # how much of a request body is read to find its model name
+    connect_timeout_ms: int
+    idle_timeout_s: int
+    routes: list[GatewayRoute] = Field(default_factory=list)
+    reasons: list[str] = Field(default_factory=list)
 
 
 class ServePlan(_Model):
@@ -122,3 +178,5 @@ class ServePlan(_Model):
     models: list[ModelFile] = Field(default_factory=list)  # one per model file the services load
     service_wrapper: Download | None = None  # Windows: WinSW runs each server as a service
     driver: DriverPlan | None = None
+    idle_gpus: list[IdleGpu] = Field(default_factory=list)  # the cards no service uses, each with why
+    gateway: GatewayPlan | None = None  # the box runs a gateway (the fleet's gateway:)

@@ -8,6 +8,9 @@ The container is kept after the run, so the served model can be tried; ``teardow
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +26,17 @@ from lab.site import build_site
 DEMO_NAME = "v100box-demo"
 DEMO_BOX = "demo"
 DEMO_PORT = 18080
+PORT_STEP = 10  # `controller demo --boxes N`: box i serves from DEMO_PORT + PORT_STEP * (i - 1) (one loopback)
+MAX_BOXES = 32
+
+
+def box_name(index: int) -> str:
+    """The fleet's name for demo box ``index`` (1-based): demo, demo2, demo3, ..."""
+    return DEMO_BOX if index == 1 else f"{DEMO_BOX}{index}"
+
+
+def container_name(index: int) -> str:
+    return DEMO_NAME if index == 1 else f"{DEMO_NAME}{index}"
 
 
 def demo_dir() -> Path:
@@ -31,12 +45,12 @@ def demo_dir() -> Path:
     return cache_root() / "demo"
 
 
-def demo_target() -> lab_target.Target:
-    """The running demo container, started if there is none."""
+def demo_target(name: str = DEMO_NAME) -> lab_target.Target:
+    """The running demo container ``name``, started if there is none."""
     lab_host.ensure_host_ready()
     image = lab_image.ensure_image()
     for record in lab_target.list_targets():
-        if record.name == DEMO_NAME:
+        if record.name == name:
             if record.state == "running" and record.ssh_port and record.key_path:
                 running = lab_target.Target(name=record.name, ssh_port=int(record.ssh_port),
                                             key_path=Path(record.key_path), image=image)
@@ -45,42 +59,73 @@ def demo_target() -> lab_target.Target:
                 if running.run("findmnt -no PROPAGATION /").stdout.strip() == "shared":
                     return running
             lab_target.remove_containers([record.name])
-    return lab_target.Target.start(name=DEMO_NAME, image=image, owner=lab_target.MANUAL_OWNER)
+    return lab_target.Target.start(name=name, image=image, owner=lab_target.MANUAL_OWNER)
 
 
-def write_fleet(folder: Path, target: lab_target.Target, server: FileServer, catalog: Path) -> Path:
-    fleet = {
-        "catalogs": [str(catalog)],
-        "boxes": {
-            DEMO_BOX: {
-                "address": target.host,
-                "port": target.ssh_port,
-                "user": target.user,
-                "key": str(target.key),
-                "host_key": target.host_public_key(),  # read through podman: a recreated box is no stranger
-                "models": [{"id": "tiny-llama", "ctx": 2048}],
-                "base_port": DEMO_PORT,
-                "mirror": {"engines": f"{server.url}/engines", "models": server.url},
-            }
-        },
+def api_key_file(folder: Path) -> Path:
+    """The demo box's API key, made once (owner-only): `controller clients` hands it to Claude Code and OpenClaw."""
+    path = folder / "api.key"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(secrets.token_urlsafe(32) + "\n")
+    return path
+
+
+def write_fleet(folder: Path, target: lab_target.Target | list[lab_target.Target], server: FileServer,
+                catalog: Path) -> Path:
+    """The demo fleet file: one box per target (demo, demo2, ...), each serving from its own ports."""
+    targets = target if isinstance(target, list) else [target]
+    boxes = {
+        box_name(index): {
+            "address": one.host,
+            "port": one.ssh_port,
+            "user": one.user,
+            "key": str(one.key),
+            "host_key": one.host_public_key(),  # read through podman: a recreated box is no stranger
+            # Claude Code and OpenClaw can use it: the planner gives it the context they need.
+            "models": [{"id": "tiny-llama", "agents": ["claude-code", "openclaw"]}],
+            "base_port": DEMO_PORT + PORT_STEP * (index - 1),
+            "api_key": {"file": str(api_key_file(folder))},
+            "mirror": {"engines": f"{server.url}/engines", "models": server.url},
+        }
+        for index, one in enumerate(targets, start=1)
     }
+    fleet: dict = {"catalogs": [str(catalog)], "boxes": boxes}
+    if len(boxes) > 1:
+        fleet["groups"] = {"demo-boxes": list(boxes)}
+    what = "The demo box" if len(boxes) == 1 else f"The {len(boxes)} demo boxes"
     path = folder / "fleet.yml"
-    write_atomic(path, "# The demo box; written by `controller demo`.\n" + yaml.safe_dump(fleet, sort_keys=False))
+    write_atomic(path, f"# {what}; written by `controller demo`.\n" + yaml.safe_dump(fleet, sort_keys=False))
     return path
 
 
 @contextlib.contextmanager
-def demo_fleet(folder: Path | None = None) -> Iterator[Path]:
-    """Start (or reuse) the demo box and serve its downloads; yields the fleet file while serving."""
+def demo_fleet(folder: Path | None = None, boxes: int = 1) -> Iterator[Path]:
+    """Start (or reuse) ``boxes`` demo boxes and serve their downloads; yields the fleet file while serving.
+
+    Demo boxes beyond ``boxes`` left from an earlier ``--boxes`` run are removed: the fleet file names
+    exactly the boxes that run.
+    """
+    if not 1 <= boxes <= MAX_BOXES:
+        raise lab_host.LabError(f"--boxes {boxes}: give 1 to {MAX_BOXES} (each box is a container on this machine)")
     folder = folder or demo_dir()
     folder.mkdir(parents=True, exist_ok=True)
     catalog = build_site(folder / "site")
-    target = demo_target()
+    wanted = {container_name(index) for index in range(1, boxes + 1)}
+    lab_target.remove_containers([name for name in demo_containers() if name not in wanted])
+    targets = [demo_target(container_name(index)) for index in range(1, boxes + 1)]
     with FileServer(folder / "site") as server:
-        yield write_fleet(folder, target, server, catalog)
+        yield write_fleet(folder, targets, server, catalog)
+
+
+def demo_containers() -> list[str]:
+    """Every demo container on this machine: v100box-demo, v100box-demo2, ..."""
+    pattern = re.compile(re.escape(DEMO_NAME) + r"(\d+)?")
+    return sorted(record.name for record in lab_target.list_targets() if pattern.fullmatch(record.name))
 
 
 def teardown() -> list[str]:
-    names = [record.name for record in lab_target.list_targets() if record.name == DEMO_NAME]
+    names = demo_containers()
     lab_target.remove_containers(names)
     return names

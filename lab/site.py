@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from controller.catalog import load_catalog
+from controller.estimate.gguf_header import read_header
 from controller.files import write_atomic
 from lab import engine_build, tinymodels
 from lab.engine_build import sha256_file
@@ -36,9 +37,22 @@ class LabModel:
     file: str
     arch: str
     file_type: str = "q8_0"
+    n_ctx_train: int = 4096
 
 
-DEMO_MODELS = (LabModel("tiny-llama", "tiny-llama-q8_0.gguf", "llama"),)
+# Trained (in its header) for 128k tokens, so the demo box can plan the 64k Claude Code and OpenClaw
+# need; at this size 64k of f16 KV is 16 MiB. The file name carries the context: a cached site
+# written before keeps its old file under the old name.
+DEMO_MODELS = (LabModel("tiny-llama", "tiny-llama-128k-q8_0.gguf", "llama", n_ctx_train=131072),)
+
+
+def _shape(path: Path) -> dict:
+    """The catalog's arch/hparams/file_type from the file's own header, so plans are exact."""
+    header = read_header(path)
+    prefix = f"{header.arch}."
+    hparams = {key[len(prefix):]: value for key, value in header.metadata.items()
+               if key.startswith(prefix) and isinstance(value, (int, float, bool, list))}
+    return {"arch": header.arch, "hparams": hparams}
 
 
 def make_pack(engine_dir: Path, dest: Path) -> Path:
@@ -89,7 +103,8 @@ def build_site(root: Path, models: tuple[LabModel, ...] = DEMO_MODELS) -> Path:
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.tmp")
-            tinymodels.write_model(tmp, model.arch, file_type=model.file_type, name=model.id)
+            tinymodels.write_model(tmp, model.arch, file_type=model.file_type, name=model.id,
+                                   n_ctx_train=model.n_ctx_train)
             os.replace(tmp, path)
         entries[model.id] = {
             "name": f"Generated {model.arch} test model ({model.file_type})",
@@ -98,6 +113,8 @@ def build_site(root: Path, models: tuple[LabModel, ...] = DEMO_MODELS) -> Path:
             "size_bytes": path.stat().st_size,
             "sha256": sha256_file(path),
             "engine": "upstream",
+            "file_type": model.file_type,
+            **_shape(path),
         }
     catalog = root / "catalog.yml"
     write_atomic(catalog, yaml.safe_dump({"models": entries, "engines": pinned_engine(pack)}, sort_keys=True))

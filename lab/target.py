@@ -22,7 +22,8 @@ import subprocess
 import tarfile
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -327,6 +328,13 @@ class Target:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+@contextmanager
+def started(image: str, names: Sequence[str]) -> Iterator[dict[str, Target]]:
+    """One target per name, started one after another; every one is removed on exit."""
+    with ExitStack() as stack:
+        yield {name: stack.enter_context(Target.start(image=image)) for name in names}
 
 
 class _PortTaken(Exception):

@@ -370,13 +370,15 @@ def write_model(
     name: str | None = None,
     seed: int = 0,
     header_only: bool = False,
+    extra_metadata: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write a tiny (or, scaled up, large) model the CPU llama-server loads; returns the path.
 
     ``arch`` is llama, qwen3moe (``n_expert``/``n_expert_used``/``n_ff_exp`` apply) or gemma3
     (``sliding_window`` > 0 makes every ``swa_pattern``-th layer full attention and the others
     sliding-window, as llama.cpp reads ``sliding_window_pattern``). ``file_type`` picks the
-    encoding of the 2-D weights (norms stay f32, as converters write them).
+    encoding of the 2-D weights (norms stay f32, as converters write them). ``extra_metadata`` adds or
+    replaces keys, e.g. ``{"tokenizer.ggml.add_bos_token": True}`` for a tokenizer that prepends BOS.
     """
     if file_type not in FILE_TYPES:
         raise ValueError(f"file_type {file_type!r} is not one of {', '.join(FILE_TYPES)}")
@@ -392,5 +394,5 @@ def write_model(
     )
     _check_shape(shape, qtype)
     label = name or f"tiny-{arch}-{n_layer}x{n_embd}-{file_type}"
-    metadata = _metadata(shape, ftype, label, chat_template)
+    metadata = _metadata(shape, ftype, label, chat_template) | dict(extra_metadata or {})
     return write_gguf(path, arch, metadata, _tensor_specs(shape, qtype), header_only=header_only, seed=seed)

@@ -38,6 +38,16 @@ def lab_site(tmp_path_factory, engine_dir) -> tuple[Path, Path]:
     return root, build_site(root)
 
 
+@pytest.fixture(scope="module")
+def site_server(lab_site):
+    """The lab download site served over HTTP for one test module: (server, catalog file)."""
+    from lab.fileserver import FileServer
+
+    root, catalog = lab_site
+    with FileServer(root) as server:
+        yield server, catalog
+
+
 @pytest.fixture(scope="session")
 def real_fixtures() -> Path:
     """Public nvidia-smi and llama.cpp outputs kept beside the project (../shared/fixtures/real)."""

@@ -19,7 +19,9 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from controller.cli import demo, estimate, plan, probe, provision, verify
+from controller.cli import clients, demo, estimate, plan, probe, provision, verify
+from controller.cli import lock as lock_command
+from controller.cli import status as status_command
 from controller.errors import ControllerError
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -35,8 +37,10 @@ def cli() -> None:
 
 
 for _command in (provision.provision, provision.render, provision.driver, verify.verify, demo.demo,
-                 estimate.estimate, plan.plan, probe.probe):
+                 estimate.estimate, plan.plan, probe.probe, clients.clients):
     cli.add_command(_command)
+cli.add_command(lock_command.lock)
+cli.add_command(status_command.status)
 
 
 def log_folder() -> Path:

@@ -27,14 +27,23 @@ def lab_demo() -> ModuleType:
 
 
 @click.command()
-@click.option("--down", is_flag=True, help="Remove the demo box instead.")
+@click.option("--boxes", type=click.IntRange(1, 32), default=1, show_default=True,
+              help="How many demo boxes, in one fleet file, provisioned at once.")
+@click.option("--down", is_flag=True, help="Remove the demo boxes instead (all of them).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def demo(down: bool, as_json: bool) -> None:
-    """Provision a local demo box: a systemd container, the CPU engine and a generated tiny model."""
+def demo(boxes: int, down: bool, as_json: bool) -> None:
+    """Provision a local demo box: a systemd container, the CPU engine and a generated tiny model.
+
+    With --boxes N, N such boxes (demo, demo2, ...) in one fleet file, provisioned like `controller provision
+    --all`.
+    """
     lab = lab_demo()
     if down:
         removed = lab.teardown()
         click.echo(f"removed {', '.join(removed)}" if removed else "no demo box is running")
+        return
+    if boxes > 1:
+        demo_fleet(lab, boxes, as_json)
         return
 
     from controller.fleet import load_fleet
@@ -60,6 +69,30 @@ def demo(down: bool, as_json: bool) -> None:
             click.echo(f"Try it:  curl -s {service['endpoint']}/v1/chat/completions -H \"Authorization: Bearer {key}\" "
                        f"-H 'Content-Type: application/json' "
                        f"-d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"hi\"}}],\"max_tokens\":8}}'")
+        click.echo(f"Claude Code and OpenClaw: controller clients {lab.DEMO_BOX} --fleet {fleet_path}")
         click.echo("Remove it: controller demo --down")
     if not report["verified"]:
         raise VerifyError(f"{lab.DEMO_BOX}: verification failed; the report says which server answered what")
+
+
+def demo_fleet(lab: ModuleType, boxes: int, as_json: bool) -> None:
+    """``controller demo --boxes N``: N demo boxes in one fleet file, provisioned by one run."""
+    from controller.cli.provision import provision_fleet
+    from controller.fleet import load_fleet
+
+    if not as_json:
+        click.echo(f"Preparing {boxes} demo boxes (the first run builds the CPU engine and the container image)...")
+    with lab.demo_fleet(boxes=boxes) as fleet_path:
+        fleet = load_fleet(fleet_path)
+        try:
+            provision_fleet(fleet, sorted(fleet.boxes, key=_box_order), fleet_path.parent / "inventory", as_json)
+        finally:
+            if not as_json:
+                click.echo(f"Fleet file and inventory: {fleet_path.parent}")
+                click.echo("Remove them: controller demo --down")
+
+
+def _box_order(name: str) -> int:
+    """demo, demo2, ..., demo10 in that order."""
+    digits = name.removeprefix("demo")
+    return int(digits) if digits.isdigit() else 1

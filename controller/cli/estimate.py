@@ -12,7 +12,7 @@ import click
 
 from controller.estimate.memory import ENGINES, SPLIT_MODES, Estimate
 from controller.estimate.model import QUANT_CACHE_TYPES
-from controller.estimate.source import EstimateError, estimate_model
+from controller.estimate.source import EstimateError, estimate_draft, estimate_model, with_draft
 
 
 def _number_list(value: str | None, option: str, kind: type = int) -> list:
@@ -62,11 +62,14 @@ def _render_text(result: Estimate) -> str:
 @click.option("--split-mode", type=click.Choice(SPLIT_MODES), default="layer", show_default=True)
 @click.option("--n-gpu-layers", type=int, default=None, help="Layers on the GPUs (default: all when --gpus is set).")
 @click.option("--cpu-moe", is_flag=True, help="Keep routed experts in host memory.")
+@click.option("--draft", "draft", default=None,
+              help="Draft model (GGUF path, URL or catalog id) served beside MODEL for speculative decoding: its "
+                   "weights on the first GPU, its own KV cache at the same context; counted in the totals.")
 @click.option("--json", "as_json", is_flag=True, help="Print the estimate as JSON.")
 def estimate(model: str, ctx: int | None, parallel: int | None, kv_unified: bool | None, cache_type_k: str,
              cache_type_v: str, ubatch: int | None, batch: int | None, flash_attn: str | None, engine: str,
              gpus: str | None, gpu_mem_mib: str | None, split_mode: str, n_gpu_layers: int | None,
-             cpu_moe: bool, as_json: bool) -> None:
+             cpu_moe: bool, draft: str | None, as_json: bool) -> None:
     """Predict the memory a llama.cpp server will use for MODEL (a GGUF path, URL or catalog id)."""
     gpu_list = _number_list(gpus, "--gpus")
     mem_list = _number_list(gpu_mem_mib, "--gpu-mem-mib", float)
@@ -77,4 +80,21 @@ def estimate(model: str, ctx: int | None, parallel: int | None, kv_unified: bool
         cache_type_v=cache_type_v, ubatch=ubatch, batch=batch, flash_attn=flash_attn, gpus=gpu_list,
         gpu_mem_mib=mem_list, split_mode=split_mode, n_gpu_layers=n_gpu_layers, cpu_moe=cpu_moe,
     )
-    click.echo(json.dumps(result.to_json(), indent=2) if as_json else _render_text(result))
+    if draft is None:
+        click.echo(json.dumps(result.to_json(), indent=2) if as_json else _render_text(result))
+        return
+    paired = estimate_draft(draft, gpu_list, mem_list, engine=engine, ctx=result.settings.ctx,
+                            parallel=result.settings.parallel, kv_unified=result.settings.kv_unified,
+                            cache_type_k=cache_type_k, cache_type_v=cache_type_v, ubatch=ubatch, batch=batch,
+                            flash_attn=flash_attn)
+    data = with_draft(result.to_json(), paired)
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    d = data["draft"]
+    click.echo(_render_text(result))
+    click.echo(f"draft   {d['model']['arch']} {d['model']['n_layer']} layers: weights {d['weights']['total_mib']:.1f}"
+               f"  kv {d['kv']['total_mib']:.1f} ({d['kv']['cells']} cells, {d['kv']['layers']} layers)  compute "
+               f"{d['compute']['total_mib']:.1f}  total {d['total_mib']:.1f} MiB")
+    click.echo(f"pair    {data['total_mib']:.1f} MiB  ("
+               + ", ".join(f"{dev['name']} {dev['total_mib']:.1f}" for dev in data["devices"]) + ")")

@@ -8,6 +8,9 @@ folders, engine packs, model files and driver the roles act on):
     controller plan --profile box3.json --model ID [--model ID ...] [--ctx N] [--agents N] [--json]
         plan from a saved ``controller probe --json`` profile, without touching any box.
 
+``--draft ID`` (a catalog id, a GGUF path/URL, or ``auto``) gives the ``--model`` before it a draft model for
+speculative decoding; the service's ``draft`` block says whether the engine accepts the pair, and why.
+
 A ``--model`` may also be a GGUF path or http(s) URL (only its header is read), and ``--header
 ID=PATH_OR_URL`` makes a catalog model's estimate use its real GGUF header instead of the catalog's
 hyperparameters. Nothing is downloaded.
@@ -51,29 +54,69 @@ def _load_profile(path: Path) -> HardwareProfile:
     return profile
 
 
+def _drafts_by_model(args: list[str]) -> list[str | None]:
+    """Each ``--model``'s ``--draft`` (None without one), from the command line's order: a ``--draft`` applies
+    to the ``--model`` before it."""
+    drafts: list[str | None] = []
+    words = iter(args)
+    for word in words:
+        name, sep, value = word.partition("=")
+        if name not in ("--model", "--draft"):
+            continue
+        value = value if sep else next(words, "")
+        if name == "--model":
+            drafts.append(None)
+        elif not drafts:
+            raise click.UsageError(f"--draft {value} comes before any --model; put it after the model it drafts for")
+        elif drafts[-1] is not None:
+            raise click.UsageError(f"--draft {value}: the --model before it already has --draft {drafts[-1]}; give "
+                                   f"one draft per model")
+        else:
+            drafts[-1] = value
+    return drafts
+
+
+class _PairedCommand(click.Command):
+    """Keeps which ``--draft`` follows which ``--model`` (click collects each option's values apart)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta["drafts"] = _drafts_by_model(list(args))
+        return super().parse_args(ctx, args)
+
+
 def _plan_profile(profile_path: Path, models: tuple[str, ...], ctx: int | None, agents: int, base_port: int,
-                  catalogs: tuple[Path, ...], headers: dict[str, str]) -> ServePlan:
+                  catalogs: tuple[Path, ...], headers: dict[str, str],
+                  drafts: list[str | None] | None = None) -> ServePlan:
     from controller.catalog import load_catalog
     from controller.estimate.source import with_gguf_sources
     from controller.fleet import WantedModel
     from controller.planner import plan_models
 
     profile = _load_profile(profile_path)
-    ids, catalog, read = with_gguf_sources(models, load_catalog(catalogs))
-    wanted = [WantedModel(id=model_id, ctx=ctx, agents=agents) for model_id in ids]
+    drafts = list(drafts or []) + [None] * (len(models) - len(drafts or []))
+    named = [draft for draft in drafts if draft not in (None, "auto")]
+    ids, catalog, read = with_gguf_sources(list(models) + named, load_catalog(catalogs))
+    draft_ids = iter(ids[len(models):])
+    drafts = [draft if draft in (None, "auto") else next(draft_ids) for draft in drafts]
+    wanted = [WantedModel(id=model_id, ctx=ctx, agents=agents, draft=draft)
+              for model_id, draft in zip(ids[: len(models)], drafts)]
     return plan_models(wanted, profile, catalog, base_port=base_port, headers={**headers, **read})
 
 
 def _plan_box(box_name: str, fleet_path: Path, headers: dict[str, str]) -> ServePlan:
+    from controller.cli.options import inventory_for
     from controller.fleet import load_fleet
     from controller.planner import plan_box
     from controller.probe.collect import probe_box  # the transports pull in fabric and pywinrm
-    from controller.provision import box_and_catalog
+    from controller.provision import add_gateway, box_and_catalog
     from controller.transports.known_hosts import beside_fleet
 
-    box, catalog = box_and_catalog(load_fleet(fleet_path), box_name)  # unknown model ids fail before any connection
+    fleet = load_fleet(fleet_path)
+    box, catalog = box_and_catalog(fleet, box_name)  # unknown model ids fail before any connection
     profile, _raw, _seconds = probe_box(box, known_hosts=beside_fleet(fleet_path))
-    return plan_box(box, profile, catalog, headers=headers)
+    plan = plan_box(box, profile, catalog, headers=headers)
+    add_gateway(fleet, box, plan, inventory_for(fleet_path, None))  # other boxes' plans: the default inventory
+    return plan
 
 
 def emit(plan: ServePlan, as_json: bool) -> None:
@@ -87,13 +130,24 @@ def emit(plan: ServePlan, as_json: bool) -> None:
                    f"port {service.port}, context {service.ctx} ({service.cache_type_k} cache); {memory}")
         for reason in service.reasons:
             click.echo(f"  - {reason}")
+        if service.draft is not None:
+            click.echo(f"  draft {service.draft.model} ({'compatible' if service.draft.compatible else 'REFUSED'}):")
+            for reason in service.draft.reasons:
+                click.echo(f"    - {reason}")
         env = " ".join(f"{key}={value}" for key, value in service.env.items())
         click.echo(f"  {env + ' ' if env else ''}llama-server {' '.join(service.args)}")
     for item in plan.unplaced:
         click.echo(f"not placed: {item.model}: {item.reason}")
+    for gpu in plan.idle_gpus:
+        click.echo(f"idle: GPU {gpu.index} {gpu.name}: {gpu.reason}")
+    if plan.gateway is not None:
+        routes = ", ".join(f"{route.model} -> {route.box} {route.host}:{route.port}" for route in plan.gateway.routes)
+        click.echo(f"gateway on port {plan.gateway.port}: {routes}")
+        for reason in plan.gateway.reasons:
+            click.echo(f"  - {reason}")
 
 
-@click.command("plan")
+@click.command("plan", cls=_PairedCommand)
 @click.argument("box", required=False)
 @click.option("--fleet", "fleet_path", type=click.Path(path_type=Path, dir_okay=False),
               help="Fleet file naming BOX and the models it wants (probes BOX read-only).")
@@ -101,6 +155,8 @@ def emit(plan: ServePlan, as_json: bool) -> None:
               help="A saved `controller probe --json` profile to plan for, instead of probing a box.")
 @click.option("--model", "models", multiple=True,
               help="Catalog id (or GGUF path/URL) to serve; repeat for several. With --profile.")
+@click.option("--draft", "drafts", multiple=True,
+              help="Draft model (catalog id, GGUF path/URL, or auto) for the --model before it: speculative decoding.")
 @click.option("--ctx", type=click.IntRange(min=512), default=None,
               help="Context each model must offer (default: the largest that fits, up to 131072).")
 @click.option("--agents", type=click.IntRange(1, 64), default=1, show_default=True,
@@ -113,18 +169,19 @@ def emit(plan: ServePlan, as_json: bool) -> None:
               help="ID=PATH_OR_URL: estimate catalog model ID from this GGUF's header (read, never downloaded).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON: {fits, services, unplaced}.")
 def plan(box: str | None, fleet_path: Path | None, profile_path: Path | None, models: tuple[str, ...],
-         ctx: int | None, agents: int, base_port: int, catalogs: tuple[Path, ...], header_pairs: tuple[str, ...],
+         drafts: tuple[str, ...], ctx: int | None, agents: int, base_port: int, catalogs: tuple[Path, ...], header_pairs: tuple[str, ...],
          as_json: bool) -> None:
     """Plan the llama.cpp services for BOX (probed), or for a saved profile and the given models."""
     headers = _headers(header_pairs)
     if box is not None:
-        if profile_path or models or ctx is not None or agents != 1 or catalogs:
-            raise click.UsageError("with BOX the fleet file says what to serve: drop --profile, --model, --ctx, "
-                                   "--agents and --catalog, or drop BOX to plan from a profile")
+        if profile_path or models or drafts or ctx is not None or agents != 1 or catalogs:
+            raise click.UsageError("with BOX the fleet file says what to serve: drop --profile, --model, --draft, "
+                                   "--ctx, --agents and --catalog, or drop BOX to plan from a profile")
         if fleet_path is None:
             raise click.UsageError("planning box BOX needs the fleet file that says how to reach it: add --fleet FILE")
     elif profile_path is None or not models:
         raise click.UsageError("give BOX with --fleet FILE, or --profile PROFILE.json with at least one --model ID")
     result = (_plan_box(box, fleet_path, headers) if box is not None else
-              _plan_profile(profile_path, models, ctx, agents, base_port, catalogs, headers))
+              _plan_profile(profile_path, models, ctx, agents, base_port, catalogs, headers,
+                            click.get_current_context().meta.get("drafts")))
     emit(result, as_json)

@@ -105,3 +105,37 @@ def with_gguf_sources(models: Sequence[str], catalog: Catalog) -> tuple[list[str
     if added:
         catalog = Catalog(models={**catalog.models, **added}, engines=catalog.engines)
     return ids, catalog, headers
+
+
+def estimate_draft(draft: str, gpus: Sequence[int], gpu_mem_mib: Sequence[float], **options: object) -> Estimate:
+    """The draft model's memory beside a target under the same server options (``controller estimate --draft``).
+
+    llama-server gives the draft the target's context, slots and batches; the plan pins it to the
+    target's first card (``--device-draft``) with every layer there, so that is what is estimated.
+    """
+    options = {key: value for key, value in options.items() if key not in ("split_mode", "n_gpu_layers", "cpu_moe")}
+    return estimate_model(draft, gpus=list(gpus[:1]), gpu_mem_mib=list(gpu_mem_mib[:1]), split_mode="none",
+                          n_gpu_layers=None, cpu_moe=False, **options)
+
+
+def with_draft(data: dict, draft: Estimate) -> dict:
+    """The target's ``estimate --json`` with the draft's block added and counted in the totals."""
+    own = draft.to_json()
+    data["draft"] = {
+        "model": own["model"], "weights": own["weights"],
+        "kv": {key: own["kv"][key] for key in ("total_mib", "cells", "layers", "bytes_per_token")},
+        "compute": own["compute"], "total_mib": own["total_mib"],
+    }
+    by_name = {device["name"]: device for device in data["devices"]}
+    added = 0.0
+    for device in own["devices"]:
+        mine = by_name.get(device["name"])
+        if mine is not None:  # the draft shares the target's process: one CUDA context per card, counted once
+            extra = device["weights_mib"] + device["kv_mib"] + device["compute_mib"]
+            mine["total_mib"] = round(mine["total_mib"] + extra, 2)
+            added += extra
+            if mine["capacity_mib"] is not None:
+                mine["fits"] = mine["total_mib"] <= mine["capacity_mib"]
+    data["draft"]["total_mib"] = round(added, 2)
+    data["total_mib"] = round(data["total_mib"] + added, 2)
+    return data

@@ -77,6 +77,26 @@ def command_line(service: Service, place: Placement, model_path: str, cram: bool
     return args + load_flags(engine, mlock=service.mlock)
 
 
+def draft_args(engine: EngineEntry, draft_path: str, service: Service, n_max: int, n_min: int,
+               gpu_layers: int) -> list[str]:
+    """The draft model's flags in the engine version's spelling (``engines.yml`` ``draft:``): the file, how
+    many tokens to draft, its cache types (the target's), and on a card its layers and device.
+
+    The service sees only its own cards (CUDA_VISIBLE_DEVICES), so the draft's device is CUDA0, the first
+    of them; a CPU service offloads nothing. Neither pinned upstream version has a draft context flag: the
+    draft's context is the target's ``--ctx-size``."""
+    flags = engine.draft
+    if flags is None:
+        raise ValueError(f"{engine.id} has no draft flags in the engine catalog")
+    args = [*flags.enable, flags.model, draft_path, flags.n_max, str(n_max), flags.n_min, str(n_min),
+            flags.cache_type_k, service.cache_type_k, flags.cache_type_v, service.cache_type_v]
+    if service.gpus:
+        args += [flags.gpu_layers, str(gpu_layers), flags.device, "CUDA0"]
+    if flags.ctx:
+        args += [flags.ctx, str(service.ctx)]
+    return args
+
+
 def load_flags(engine: EngineEntry, *, mlock: bool) -> list[str]:
     """How the engine loads the weights: locked in RAM (offloaded experts must never page out) or mapped."""
     return list(engine.load_flags.get("mlock" if mlock else "mmap", []))

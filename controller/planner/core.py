@@ -16,6 +16,7 @@ from controller.errors import PlanError, ProbeError
 from controller.estimate.gguf_header import GGUFHeader
 from controller.facts import DEFAULT_MODEL_DIR, TEMPLATE_DIR, box_path
 from controller.fleet import Box, Mirror, WantedModel
+from controller.planner import draft as drafting
 from controller.planner import fit as fitting
 from controller.planner import sources
 from controller.planner.commandline import CACHE_RAM_MIB, command_line, environment, load_flags
@@ -24,6 +25,12 @@ from controller.planner.placement import (
     RESIDENT_UBATCH,
     Context,
     Placement,
+    agent_reason,
+    agent_refusal,
+    agent_shortfall,
+    gpu_builds_run,
+    idle_cards,
+    pinned_engine_problem,
     place_cpu,
     place_gpu,
     swa_reason,
@@ -31,7 +38,7 @@ from controller.planner.placement import (
 from controller.planner.specs import MemoryModel, memory_model
 from controller.planner.topology import GpuPool
 from controller.profile import HardwareProfile
-from controller.serveplan import ModelFile, ServePlan, Service, ServiceMemory, Unplaced
+from controller.serveplan import IdleGpu, ModelFile, ServePlan, Service, ServiceMemory, Unplaced
 
 MTP_SPEC = "mtp:n_max=3,p_min=0.75"
 BATCH = 2048
@@ -125,8 +132,8 @@ def _service(index: int, name: str, want: WantedModel, entry: ModelEntry, model:
     threads, threads_reason = _threads(ctx, place)
     spec_decoding, mtp_reason = _mtp(entry, model, engine)
     env = environment(place, ctx.pool.mixed)
-    reasons += [r for r in (swa, threads_reason, _ubatch_reason(place), _slots_reason(want.agents, engine), mtp_reason,
-                            _template_reason(entry)) if r]
+    reasons += [r for r in (agent_reason(want, fit.ctx), swa, threads_reason, _ubatch_reason(place),
+                            _slots_reason(want.agents, engine), mtp_reason, _template_reason(entry)) if r]
     reasons += _env_reason(env)
     reasons.append(f"port {port}: the box's base port plus the model's place ({index}) in the wanted list")
     reasons.append(_auth_reason(engine))
@@ -175,8 +182,13 @@ def plan_models(wanted: Sequence[WantedModel], profile: HardwareProfile, catalog
     model_dir = model_dir or DEFAULT_MODEL_DIR[os]
     template_dir = TEMPLATE_DIR[os]
     headers = headers or {}
-    entries = [catalog.model(want.id) for want in wanted]
+    entries = [_pinned(catalog.model(want.id), want, catalog) for want in wanted]
+    for entry in entries:  # a pinned pack that no card here can run: refuse before planning anything
+        if mismatch := pinned_engine_problem(entry, catalog, profile):
+            raise PlanError(mismatch)
     models = [memory_model(entry, headers.get(entry.id)) for entry in entries]
+    pairs = [drafting.choose(want, entry, model, catalog, headers) for want, entry, model in zip(wanted, entries, models)]
+    models = [pair.memory if isinstance(pair, drafting.Pairing) else model for pair, model in zip(pairs, models)]
     pool = GpuPool(profile)
     ctx = Context(profile, catalog, pool, float(profile.memory_mib) if profile.memory_mib else None)
     names = _names(entries)
@@ -185,18 +197,28 @@ def plan_models(wanted: Sequence[WantedModel], profile: HardwareProfile, catalog
     order = sorted(range(len(wanted)), key=lambda i: (-fitting.weights_mib(models[i]), i))
     for i in order:
         entry, model, want = entries[i], models[i], wanted[i]
-        if pool.gpus:
-            place = place_gpu(entry, model, want, ctx)
-        elif unknown:
-            place = (f"{entry.id}: the probe saw V100s ({unknown}) but not their memory, so nothing can be sized; "
-                     f"re-run the probe (nvidia-smi output was cut short or failed)")
-        else:
-            place = place_cpu(entry, model, want, ctx)
+        again = True
+        while again:  # a second pass places the target alone when its auto draft must go
+            if refused := agent_refusal(entry, model, want):
+                place = refused
+            elif gpu_builds_run(ctx):
+                place = place_gpu(entry, model, want, ctx)
+            elif unknown:
+                place = (f"{entry.id}: the probe saw V100s ({unknown}) but not their memory, so nothing can be sized; "
+                         f"re-run the probe (nvidia-smi output was cut short or failed)")
+            else:
+                place = place_cpu(entry, model, want, ctx)
+            model, pairs[i], again = drafting.settle(pairs[i], place, model)
         if isinstance(place, str):
-            results[i] = Unplaced(model=entry.id, reason=place)
+            results[i] = Unplaced(model=entry.id, reason=place + ("" if refused else agent_shortfall(want))
+                                  + drafting.refusal_note(pairs[i]))
             continue
         service, ram = _service(i, names[i], want, entry, model, place, ctx, host, base_port + i, os, model_dir,
                                 template_dir)
+        if isinstance(pairs[i], drafting.Pairing):
+            drafting.attach(pairs[i], service, place.engine, box_path(os, model_dir, pairs[i].entry.file))
+        elif pairs[i] is not None:
+            service.reasons.append(pairs[i])
         if place.gpus is not None:
             pool.take(place.gpus.gpus)
         if ctx.ram_free_mib is not None:
@@ -204,14 +226,27 @@ def plan_models(wanted: Sequence[WantedModel], profile: HardwareProfile, catalog
         results[i] = service
     services = [r for _, r in sorted(results.items()) if isinstance(r, Service)]
     unplaced = [r for _, r in sorted(results.items()) if isinstance(r, Unplaced)]
+    unplaced += [Unplaced(model=service.draft.model, reason=service.draft.reasons[0])  # a refused draft: flagged
+                 for service in services if service.draft is not None and not service.draft.compatible]
     engines = [sources.engine_pack(catalog.engine(engine_id), os, mirror)
                for engine_id in dict.fromkeys(service.engine for service in services)]
     files: dict[str, ModelFile] = {}  # one download per file, however many services load it
     for service in services:
         if service.model_file not in files:
             files[service.model_file] = sources.model_file(catalog.model(service.model), os, mirror)
+        if service.draft is not None and service.draft.compatible and service.draft.model_file not in files:
+            files[service.draft.model_file] = sources.model_file(catalog.model(service.draft.model), os, mirror)
+    idle = [IdleGpu(index=gpu.index, name=gpu.name, arch=gpu.arch, reason=why) for gpu, why in idle_cards(ctx)]
     return ServePlan(fits=not unplaced, services=services, unplaced=unplaced, os=os, model_dir=model_dir,
-                     template_dir=template_dir, engines=engines, models=list(files.values()))
+                     template_dir=template_dir, engines=engines, models=list(files.values()), idle_gpus=idle)
+
+
+def _pinned(entry: ModelEntry, want: WantedModel, catalog: Catalog) -> ModelEntry:
+    """The catalog entry, with the engine the fleet names for this model (``engine:``) in place of its own."""
+    if want.engine is None:
+        return entry
+    catalog.engine(want.engine)  # an unknown id is refused with the ids the catalog has
+    return entry.model_copy(update={"engine": want.engine})
 
 
 def _names(entries: Sequence[ModelEntry]) -> list[str]:

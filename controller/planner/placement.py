@@ -16,18 +16,19 @@ pinned engine version are built in ``controller.planner.commandline``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from controller.catalog import Catalog, EngineEntry, ModelEntry
 from controller.errors import CatalogError, PlanError
 from controller.estimate.memory import estimate, resolve_settings
+from controller.facts import AGENT_CLIENT_CTX, arch_label, build_runs_on
 from controller.fleet import WantedModel
 from controller.planner import fit as fitting
 from controller.planner.fit import Fit, Miss, Request
 from controller.planner.specs import MemoryModel, SizedMemory, SpecMemory
-from controller.planner.topology import GpuPool, GpuSet
-from controller.profile import HardwareProfile
+from controller.planner.topology import GpuPool, GpuSet, Usable
+from controller.profile import Gpu, HardwareProfile
 
 DEFAULT_CTX = 131072  # the kit's Qwen context; the planner takes the largest that fits up to this
 MIN_AGENT_CTX = 32768  # agents send 22-24k-token system prompts; less is not worth serving
@@ -49,28 +50,83 @@ def _family(entry: ModelEntry, catalog: Catalog) -> str:
     raise PlanError(f"model {entry.id}: unknown engine {entry.engine!r}; use upstream, ik or an engine id")
 
 
+def _runs(engine: EngineEntry, archs: Iterable[int | None]) -> bool:
+    return all(build_runs_on(engine.cuda_archs or [], arch) for arch in archs)
+
+
 def _engine(catalog: Catalog, family: str, *, nccl: bool = False, cpu: bool = False,
-            preferred: str | None = None) -> EngineEntry:
+            preferred: str | None = None, archs: Iterable[int | None] = ()) -> EngineEntry:
+    archs = tuple(archs)
     if preferred in catalog.engines:
         chosen = catalog.engines[preferred]
-        if chosen.family == family and chosen.nccl == nccl and chosen.cpu_only == cpu:
+        if chosen.family == family and chosen.nccl == nccl and chosen.cpu_only == cpu and _runs(chosen, archs):
             return chosen
     for engine_id in sorted(catalog.engines):
         engine = catalog.engines[engine_id]
-        if engine.family == family and engine.nccl == nccl and engine.cpu_only == cpu:
+        if engine.family == family and engine.nccl == nccl and engine.cpu_only == cpu and _runs(engine, archs):
             return engine
     what = "CPU-only" if cpu else f"{family}{' NCCL' if nccl else ''}"
     raise CatalogError(f"the engine catalog has no {what} build; add one to engines.yml or a catalog file")
 
 
+def _archs(engine: EngineEntry) -> str:
+    return ";".join(map(str, engine.cuda_archs or [])) or "none"
+
+
+def _kinds(ctx: Context, gpus: Iterable[int]) -> str:
+    """``GPUs 0,1 (NVIDIA GeForce RTX 3090, sm_86 (Ampere)); GPU 4 (...)``: cards grouped by model."""
+    groups: dict[tuple[str, int | None], list[int]] = {}
+    for index in gpus:
+        gpu = ctx.pool.gpus.get(index) or next(g for g in ctx.profile.gpus if g.index == index)
+        groups.setdefault((gpu.name, gpu.arch), []).append(index)
+    return "; ".join(f"GPU{'s' if len(indices) > 1 else ''} {','.join(map(str, indices))} ({name}, "
+                     f"{arch_label(arch) if arch is not None else 'compute capability unknown'})"
+                     for (name, arch), indices in groups.items())
+
+
+def usable(ctx: Context, entry: ModelEntry, want: WantedModel, family: str) -> Usable:
+    """Which card sets the model may run on: an engine of ``family`` built for every card's architecture,
+    the pinned engine's own architectures when the model names an exact engine, and one kind of card
+    unless the fleet lets it mix (``mix_cards``)."""
+    engines = [e for e in ctx.catalog.engines.values() if e.family == family and not e.cpu_only]
+    pinned = ctx.catalog.engines.get(entry.engine)
+
+    def check(gpus: tuple[int, ...]) -> bool:
+        archs = {ctx.pool.gpus[i].arch for i in gpus}
+        if len(archs) > 1 and not want.mix_cards:
+            return False
+        if pinned is not None and not _runs(pinned, archs):
+            return False
+        return any(_runs(engine, archs) for engine in engines)
+    return check
+
+
+def pinned_engine_problem(entry: ModelEntry, catalog: Catalog, profile: HardwareProfile) -> str | None:
+    """Why the engine a model pins cannot run on any card of the box (its architectures match none)."""
+    engine = catalog.engines.get(entry.engine)
+    if engine is None or engine.cpu_only or not profile.gpus:
+        return None
+    if any(build_runs_on(engine.cuda_archs or [], gpu.arch) for gpu in profile.gpus):
+        return None
+    cards = "; ".join(f"GPU {g.index} {g.name} ({arch_label(g.arch) if g.arch else 'compute capability unknown'})"
+                      for g in profile.gpus)
+    return (f"{entry.id}: engine pack {engine.id} is built for {', '.join(map(arch_label, engine.cuda_archs or []))} "
+            f"(cuda_archs: {_archs(engine)}), which none of this box's cards can run: {cards}; name a pack whose "
+            f"cuda_archs include one of theirs, or drop the pin")
+
+
 _FAMILY_NAMES = {"upstream": "upstream llama.cpp", "ik": "ik_llama.cpp"}
 
 
-def _engine_reason(entry: ModelEntry, engine: EngineEntry, *, split: str = "none", offload: bool = False) -> str:
+def _engine_reason(entry: ModelEntry, engine: EngineEntry, *, split: str = "none", offload: bool = False,
+                   instead_of: str | None = None) -> str:
     """Why this engine build serves the model: the rule that chose its family, then the build itself."""
     family = _FAMILY_NAMES.get(engine.family, engine.family)
-    if engine.cpu_only:
-        why = "the CPU-only build: no V100 on this box can run the sm_70 builds"
+    if instead_of is not None:
+        why = (f"{family}: {entry.id} would run on {_FAMILY_NAMES.get(instead_of, instead_of)}, but no build of it "
+               f"runs on these cards, and this one does")
+    elif engine.cpu_only:
+        why = "the CPU-only build: no card on this box can run a GPU build of the engine catalog"
     elif entry.sliding_window:
         why = (f"{family}: {entry.id} uses sliding-window attention, whose cache only upstream sizes by the window "
                f"(ik_llama.cpp would keep every layer at full context)")
@@ -84,7 +140,8 @@ def _engine_reason(entry: ModelEntry, engine: EngineEntry, *, split: str = "none
                f"kernels" + (", its --fit expert offload" if offload else "") + " and its -cram prompt cache in host RAM")
     else:
         why = f"{family}: the catalog entry of {entry.id} asks for it (engine: {entry.engine})"
-    return f"engine {engine.id}, {why} ({engine.description or 'commit ' + engine.commit})"
+    built = "" if engine.cpu_only else f"; built for {', '.join(map(arch_label, engine.cuda_archs or []))}"
+    return f"engine {engine.id}, {why} ({engine.description or 'commit ' + engine.commit}{built})"
 
 
 # ---------------------------------------------------------------- the placement of one model
@@ -117,6 +174,59 @@ class Context:
         return cpu.cores or (cpu.threads // 2 if cpu.threads else None)
 
 
+# ---------------------------------------------------------------- the agent clients a model serves
+
+
+def _client_needs(want: WantedModel) -> tuple[int, int]:
+    """The context (at least, preferred) every client named in the fleet can work with."""
+    needs = [AGENT_CLIENT_CTX[client] for client in want.clients]
+    return max(least for least, _ in needs), max(prefer for _, prefer in needs)
+
+
+def agent_ctx_bounds(want: WantedModel, target: int, minimum: int, n_ctx_train: int | None) -> tuple[int, int]:
+    """The context bounds once the named clients count: never below what they need, up to what they prefer."""
+    if not want.clients:
+        return target, minimum
+    least, prefer = _client_needs(want)
+    if want.ctx is None:
+        target = max(target, min(prefer, max(n_ctx_train or prefer, least)))
+    return target, max(minimum, least)
+
+
+def agent_refusal(entry: ModelEntry, model: MemoryModel, want: WantedModel) -> str | None:
+    """Why a model cannot serve the clients named for it whatever the hardware, or None."""
+    n_ctx_train = model.spec.n_ctx_train if model.spec is not None else None
+    short = [client for client in want.clients if n_ctx_train and n_ctx_train < AGENT_CLIENT_CTX[client][0]]
+    if not short:
+        return None
+    needs = ", ".join(f"{client} needs at least {AGENT_CLIENT_CTX[client][0]}" for client in short)
+    return (f"{entry.id} was trained for {n_ctx_train} tokens of context, the largest it can serve, but {needs}; "
+            f"choose a model with a longer context or drop {', '.join(short)} from its agents")
+
+
+def agent_reason(want: WantedModel, ctx_tokens: int) -> str | None:
+    """The plan's reason for the context, as the named clients see it; None when no client is named."""
+    if not want.clients:
+        return None
+    parts = []
+    for client in want.clients:
+        least, prefer = AGENT_CLIENT_CTX[client]
+        parts.append(f"{client} needs at least {least}" + (f" and works best with {prefer}" if prefer > least else ""))
+    text = f"context {ctx_tokens} tokens serves the agents named in the fleet ({'; '.join(parts)})"
+    _, prefer = _client_needs(want)
+    if ctx_tokens < prefer:
+        text += f"; below the preferred {prefer} because no more fits"
+    return text
+
+
+def agent_shortfall(want: WantedModel) -> str:
+    """What a refusal adds when clients were named: the context they needed."""
+    if not want.clients:
+        return ""
+    least, _ = _client_needs(want)
+    return f"; the agents named for it ({', '.join(want.clients)}) need at least {least} tokens of context"
+
+
 def _request(entry: ModelEntry, model: MemoryModel, want: WantedModel, engine: str, *, offload: bool = False,
              cpu: bool = False, ubatch: int | None = None) -> Request:
     sized = isinstance(model, SizedMemory) and not model.kv_bytes_per_token
@@ -124,6 +234,7 @@ def _request(entry: ModelEntry, model: MemoryModel, want: WantedModel, engine: s
     n_ctx_train = model.spec.n_ctx_train if model.spec is not None and model.spec.n_ctx_train else None
     target = want.ctx or min(default, n_ctx_train or default)
     minimum = CPU_MIN_CTX if cpu else min(MIN_AGENT_CTX, target)
+    target, minimum = agent_ctx_bounds(want, target, minimum, n_ctx_train)
     has_head = model.spec is None or model.spec.n_layer_all > model.spec.n_layer
     mtp = engine == "ik" and entry.mtp and has_head and not cpu  # the draft head keeps its own KV
     # Without KV figures the cache type cannot be weighed: the kit's q8_0 on a GPU, f16 on the CPU.
@@ -138,6 +249,24 @@ def _rank(fit: Fit) -> tuple[int, int]:
     return fit.ctx, -fitting.CACHE_PREFERENCE.index(fit.cache)
 
 
+def _best_fit(model: MemoryModel, req: Request, sets: list[GpuSet], split: str,
+              last_miss: tuple[GpuSet, Miss] | None) -> tuple[tuple[GpuSet, Fit] | None, tuple[GpuSet, Miss] | None]:
+    """The set with the best fit (largest context, then best cache), and the miss kept for a refusal."""
+    best: tuple[GpuSet, Fit] | None = None
+    seen: dict[tuple[int, ...], Fit | Miss] = {}
+    for gset in sets:
+        result = seen.get(gset.memory_mib)
+        if result is None:
+            result = seen[gset.memory_mib] = fitting.fit_resident(model, req, gset, split)
+        if isinstance(result, Fit):
+            if best is None or _rank(result) > _rank(best[1]):
+                best = (gset, result)
+        elif last_miss is None or gset.total_mib > last_miss[0].total_mib or gset.gpus == last_miss[0].gpus:
+            # the biggest set tried; for the same set, its last (smallest ubatch) attempt
+            last_miss = (gset, result)
+    return best, last_miss
+
+
 def _resident(entry: ModelEntry, model: MemoryModel, want: WantedModel,
               ctx: Context) -> Placement | tuple[GpuSet, Miss] | None:
     """The fewest cards of one board that hold the whole model at an acceptable context.
@@ -146,29 +275,33 @@ def _resident(entry: ModelEntry, model: MemoryModel, want: WantedModel,
     """
     last_miss: tuple[GpuSet, Miss] | None = None
     preferred = _family(entry, ctx.catalog)
-    for size, ubatch in ((size, ubatch) for size in range(1, ctx.pool.max_board + 1) for ubatch in RESIDENT_UBATCHES):
-        split = "none" if size == 1 else "layer" if entry.moe else "tensor"
-        family = "upstream" if entry.sliding_window or split == "tensor" else preferred
-        req = _request(entry, model, want, "ik" if family == "ik" else "upstream", ubatch=ubatch)
-        best: tuple[GpuSet, Fit] | None = None
-        seen: dict[tuple[int, ...], Fit | Miss] = {}
-        for gset in ctx.pool.candidates(size, powers_of_two=split == "tensor"):
-            result = seen.get(gset.memory_mib)
-            if result is None:
-                result = seen[gset.memory_mib] = fitting.fit_resident(model, req, gset, split)
-            if isinstance(result, Fit):
-                if best is None or _rank(result) > _rank(best[1]):
-                    best = (gset, result)
-            elif last_miss is None or gset.total_mib > last_miss[0].total_mib or gset.gpus == last_miss[0].gpus:
-                # the biggest set tried; for the same set, its last (smallest ubatch) attempt
-                last_miss = (gset, result)
-        if best is not None:
-            gset, fit = best
-            nccl = split == "tensor" and any(e.nccl for e in ctx.catalog.engines.values())
-            engine = _engine(ctx.catalog, family, nccl=nccl, preferred=entry.engine)
-            reasons = [_engine_reason(entry, engine, split=split), *_placement_reasons(entry, gset, fit, split, engine,
-                                                                                        ctx, req)]
-            return Placement(gset, fit, engine, False, reasons, req.ubatch)
+    # One NVLink board of one kind of card first; a model allowed to mix cards may then span boards and kinds.
+    stages = [(size, False) for size in range(1, ctx.pool.max_board + 1)]
+    stages += [(size, True) for size in range(2, len(ctx.pool.free) + 1)] if want.mix_cards else []
+    for (size, spans), ubatch in ((stage, ubatch) for stage in stages for ubatch in RESIDENT_UBATCHES):
+        split = "none" if size == 1 else "layer" if entry.moe or spans else "tensor"
+        first = "upstream" if entry.sliding_window or split == "tensor" else preferred
+        # Cards no build of the preferred family runs on (an RTX 3090 beside sm_70-only ik packs) may still
+        # hold the model with upstream's build for them, unless the model pins its engine.
+        families = [first] + (["upstream"] if first != "upstream" and entry.engine not in ctx.catalog.engines else [])
+        for family in families:
+            ok = usable(ctx, entry, want, family)
+            if family != first:
+                preferred_ok = usable(ctx, entry, want, first)
+                ok = (lambda check, other: lambda gpus: check(gpus) and not other(gpus))(ok, preferred_ok)
+            req = _request(entry, model, want, "ik" if family == "ik" else "upstream", ubatch=ubatch)
+            sets = (ctx.pool.spanning(size, ok) if spans else
+                    ctx.pool.candidates(size, powers_of_two=split == "tensor", usable=ok))
+            best, last_miss = _best_fit(model, req, sets, split, last_miss)
+            if best is not None:
+                gset, fit = best
+                archs = {ctx.pool.gpus[i].arch for i in gset.gpus}
+                nccl = split == "tensor" and any(e.nccl and _runs(e, archs) for e in ctx.catalog.engines.values())
+                engine = _engine(ctx.catalog, family, nccl=nccl, preferred=entry.engine, archs=archs)
+                reasons = [_engine_reason(entry, engine, split=split, instead_of=first if family != first else None),
+                           _cards_reason(ctx, gset, engine), *_placement_reasons(entry, gset, fit, split, engine, ctx,
+                                                                                 req)]
+                return Placement(gset, fit, engine, False, reasons, req.ubatch)
     return last_miss
 
 
@@ -178,16 +311,16 @@ def _offload(entry: ModelEntry, model: MemoryModel, want: WantedModel, ctx: Cont
     if not isinstance(model, SpecMemory) or not model.spec.n_expert:
         return (f"expert offload needs the model's shape (which tensors are experts); {entry.id} has none in the "
                 f"catalog: add arch/hparams or plan it from its GGUF header")
-    gset = ctx.pool.largest_free_board()
+    family = "upstream" if entry.sliding_window else "ik"
+    gset = ctx.pool.largest_free_board(usable(ctx, entry, want, family))
     if gset is None:
         return "no free NVLink board is left for it"
-    family = "upstream" if entry.sliding_window else "ik"
     req = _request(entry, model, want, "ik" if family == "ik" else "upstream", offload=True)
     result = fitting.fit_offload(model, req, gset)
     if isinstance(result, Miss):
         return result
-    engine = _engine(ctx.catalog, family, preferred=entry.engine)
-    reasons = [_engine_reason(entry, engine, offload=True),
+    engine = _engine(ctx.catalog, family, preferred=entry.engine, archs={ctx.pool.gpus[i].arch for i in gset.gpus})
+    reasons = [_engine_reason(entry, engine, offload=True), _cards_reason(ctx, gset, engine),
                *_offload_reasons(entry, gset, result, engine, req, resident_miss)]
     return Placement(gset, result, engine, True, reasons, req.ubatch)
 
@@ -197,6 +330,11 @@ def _offload(entry: ModelEntry, model: MemoryModel, want: WantedModel, ctx: Cont
 
 def mib(value: float) -> str:
     return f"{value:.0f} MiB"
+
+
+def _cards_reason(ctx: Context, gset: GpuSet, engine: EngineEntry) -> str:
+    """Which cards the service uses, of which kind, and that its engine build runs there."""
+    return f"cards: {_kinds(ctx, gset.gpus)}; {engine.id} carries code for them (cuda_archs: {_archs(engine)})"
 
 
 def _ctx_reason(fit: Fit, req: Request) -> str:
@@ -218,6 +356,13 @@ def _placement_reasons(entry: ModelEntry, gset: GpuSet, fit: Fit, split: str, en
             f"(Gemma 4: 99 tok/s on one card, 90 layer-split, 76 tensor-split on two)")
         if len(gset.board) > 1:
             reasons.append(f"one card of board {list(gset.board)}; the rest stay free for other models")
+    elif gset.spans:
+        reasons.append(
+            f"no free NVLink board of one kind of card holds it at {req.min_ctx if not req.explicit else req.target_ctx} "
+            f"tokens of context; the fleet lets it mix cards (mix_cards: true), so it spans {gset.size} cards, "
+            f"{gset.describe()}: {per_card} MiB estimated; each token crosses PCIe between them, slower than one board")
+        reasons.append("layer split (-sm layer): each card holds whole layers, so only the activations cross PCIe at "
+                       "each boundary; never tensor split across boards")
     else:
         reasons.append(
             f"does not fit one card at {req.min_ctx if not req.explicit else req.target_ctx} tokens of context; "
@@ -225,10 +370,11 @@ def _placement_reasons(entry: ModelEntry, gset: GpuSet, fit: Fit, split: str, en
             f"boards, where every step would cross PCIe/NUMA")
         reasons.append(f"the fattest links free for {gset.size} cards: NVLink x{gset.min_links} per pair "
                        f"(board {list(gset.board)})")
-        if split == "layer":
+    if gset.size > 1:
+        if split == "layer" and not gset.spans:
             reasons.append("layer split (-sm layer): an MoE model keeps each layer's experts on one card "
                            "(Qwen3.6 35B on two V100s: 82.8 tok/s, all in VRAM); -sm row crashes for these models")
-        else:
+        elif split == "tensor":
             reasons.append("tensor split (-sm tensor): a dense model runs every weight for every token, so the cards "
                            "share each layer (27B dense: 39.4 tok/s vs 32.4 layer split); -sm row crashes for these "
                            "models")
@@ -306,7 +452,7 @@ def split_fractions(shares: Sequence[float]) -> str:
 def _refusal(entry: ModelEntry, model: MemoryModel, miss: Miss | None, gset: GpuSet | None, why: str = "") -> str:
     weights = fitting.weights_mib(model)
     if miss is None:
-        return f"{entry.id} ({weights} MiB weights): {why or 'no usable V100 is free on this box'}"
+        return f"{entry.id} ({weights} MiB weights): {why or 'no card its engine builds run on is free on this box'}"
     need = ", ".join(mib(v) for v in miss.need_mib)
     budget = ", ".join(mib(v) for v in miss.budget_mib)
     where = gset.describe() if gset is not None else "host RAM"
@@ -321,10 +467,37 @@ def _refusal(entry: ModelEntry, model: MemoryModel, miss: Miss | None, gset: Gpu
 # ---------------------------------------------------------------- the box
 
 
+def _runnable(ctx: Context, entry: ModelEntry, cards: Iterable[int]) -> list[int]:
+    """The cards some GPU build of the model's engine families (or its pinned engine) runs on."""
+    families = {_family(entry, ctx.catalog), "upstream"}
+    pinned = ctx.catalog.engines.get(entry.engine)
+    engines = [pinned] if pinned is not None else [e for e in ctx.catalog.engines.values()
+                                                   if e.family in families and not e.cpu_only]
+    return [i for i in cards if any(_runs(engine, [ctx.pool.gpus[i].arch]) for engine in engines)]
+
+
+def _mix_hint(ctx: Context, entry: ModelEntry, want: WantedModel) -> str:
+    """What mix_cards would allow, when the free cards this model could run on lie on several boards or kinds."""
+    free = _runnable(ctx, entry, ctx.pool.free)
+    if want.mix_cards or len(free) < 2:
+        return ""
+    kinds = {ctx.pool.gpus[i].arch for i in free}
+    boards = {ctx.pool.board_of(i) for i in free}
+    if len(kinds) < 2 and len(boards) < 2:
+        return ""
+    return (f"; mixing cards is off for it: mix_cards: true on the wanted model lets it span the free cards "
+            f"{_kinds(ctx, free)} (layer split over PCIe{', with a pack built for each kind' if len(kinds) > 1 else ''})")
+
+
 def place_gpu(entry: ModelEntry, model: MemoryModel, want: WantedModel, ctx: Context) -> Placement | str:
-    if not ctx.pool.free:
-        return (f"{entry.id} ({fitting.weights_mib(model)} MiB weights): every V100 on this box is already given to a "
-                f"larger model planned first; list fewer models or add cards")
+    if not _runnable(ctx, entry, ctx.pool.gpus):
+        families = " or ".join(sorted({_FAMILY_NAMES.get(f, f) for f in (_family(entry, ctx.catalog), "upstream")}))
+        return (f"{entry.id} ({fitting.weights_mib(model)} MiB weights): no build of {families} in the engine catalog "
+                f"runs on this box's cards ({_kinds(ctx, ctx.pool.gpus)}); declare a pack whose cuda_archs include "
+                f"theirs")
+    if not _runnable(ctx, entry, ctx.pool.free):
+        return (f"{entry.id} ({fitting.weights_mib(model)} MiB weights): every card its engine builds run on is "
+                f"already given to a larger model planned first; list fewer models or add cards")
     resident = _resident(entry, model, want, ctx)
     if isinstance(resident, Placement):
         return resident
@@ -332,7 +505,7 @@ def place_gpu(entry: ModelEntry, model: MemoryModel, want: WantedModel, ctx: Con
     if not entry.moe:
         why = ("a dense model is split by tensor across the cards of one board at most; expert offload only helps "
                "mixture-of-experts models")
-        return _refusal(entry, model, miss, gset, why)
+        return _refusal(entry, model, miss, gset, why) + _mix_hint(ctx, entry, want)
     offload = _offload(entry, model, want, ctx, resident or None)
     if isinstance(offload, Placement):
         ram_need = offload.fit.device_mib[-1] + HOST_RESERVE_MIB
@@ -344,8 +517,9 @@ def place_gpu(entry: ModelEntry, model: MemoryModel, want: WantedModel, ctx: Con
         return offload
     if isinstance(offload, Miss):
         why = "the rest of the model does not fit the cards even with every expert in host RAM"
-        return _refusal(entry, model, offload, ctx.pool.largest_free_board(), why)
-    return _refusal(entry, model, miss, gset, offload)
+        where = ctx.pool.largest_free_board(usable(ctx, entry, want, "upstream" if entry.sliding_window else "ik"))
+        return _refusal(entry, model, offload, where, why) + _mix_hint(ctx, entry, want)
+    return _refusal(entry, model, miss, gset, offload) + _mix_hint(ctx, entry, want)
 
 
 def place_cpu(entry: ModelEntry, model: MemoryModel, want: WantedModel, ctx: Context) -> Placement | str:
@@ -355,9 +529,38 @@ def place_cpu(entry: ModelEntry, model: MemoryModel, want: WantedModel, ctx: Con
     if isinstance(result, Miss):
         return _refusal(entry, model, result, None)
     engine = _engine(ctx.catalog, "upstream", cpu=True)
-    ignored = ", ".join(f"GPU {g.index} ({g.name})" for g in ctx.pool.ignored)
-    reasons = ["no V100 on this box: serving on the CPU with the CPU engine build"
-               + (f" ({ignored} cannot run the sm_70 builds)" if ignored else ""),
+    idle = "; ".join(f"GPU {gpu.index} {gpu.name}: {why}" for gpu, why in idle_cards(ctx))
+    reasons = ["no V100 on this box, nor another card a GPU build of the engine catalog runs on: serving on the CPU "
+               "with the CPU engine build" + (f" ({idle})" if idle else ""),
                _engine_reason(entry, engine), _ctx_reason(result, req)]
     return Placement(None, result, engine, False, reasons, req.ubatch)
 
+
+def gpu_engines(catalog: Catalog) -> list[EngineEntry]:
+    return [engine for engine in catalog.engines.values() if not engine.cpu_only]
+
+
+def gpu_builds_run(ctx: Context) -> bool:
+    """Whether some GPU build of the catalog runs on a card of the box (else the box serves on the CPU)."""
+    return any(_runs(engine, [gpu.arch]) for engine in gpu_engines(ctx.catalog) for gpu in ctx.pool.gpus.values())
+
+
+def idle_cards(ctx: Context) -> list[tuple[Gpu, str]]:
+    """Every card of the box no service uses, with why."""
+    engines = gpu_engines(ctx.catalog)
+    built = ", ".join(sorted({arch_label(a) for e in engines for a in e.cuda_archs or []})) or "none"
+    out = []
+    for gpu in ctx.profile.gpus:
+        if gpu.index in ctx.pool.taken:
+            continue
+        if gpu.index not in ctx.pool.gpus:
+            why = "the probe did not report its memory, so nothing can be sized for it"
+        elif gpu.arch is None:
+            why = "its compute capability is unknown, so no engine build can be matched to it"
+        elif not any(_runs(engine, [gpu.arch]) for engine in engines):
+            why = (f"no engine pack of the catalog is built for {arch_label(gpu.arch)} (the GPU packs are built for "
+                   f"{built}); declare one whose cuda_archs include {gpu.arch} in a catalog file")
+        else:
+            why = "free: no wanted model was placed on it"
+        out.append((gpu, why))
+    return out

@@ -4,14 +4,21 @@ A board is a set of GPUs joined by NVLink (``profile.boards``, derived by the pr
 ``nvidia-smi topo``). Cross-board traffic goes over PCIe and the CPU's NUMA links, which kills
 throughput, so a multi-GPU service never spans boards. Inside a board the fattest links win: the
 kit's dual-card bridge has 2 links per pair, the 12-GPU seed box has 6-link pairs and 2-link boards.
+
+The pool holds every card whose memory the probe saw, V100 or not; which of them a model may use is the
+planner's ``usable`` test (an engine pack built for their architecture, one kind of card). Only a model
+the fleet lets mix cards (``mix_cards``) may span boards: ``spanning`` sets, joined by PCIe.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import combinations
+from itertools import combinations, product
 
 from controller.profile import Gpu, HardwareProfile
+
+Usable = Callable[[tuple[int, ...]], bool]  # whether a model may run on these cards together
 
 
 @dataclass(frozen=True)
@@ -20,9 +27,10 @@ class GpuSet:
 
     gpus: tuple[int, ...]
     memory_mib: tuple[int, ...]
-    board: tuple[int, ...]  # all V100s of the board this set lies in
+    board: tuple[int, ...]  # all cards of the board this set lies in (a spanning set: itself)
     min_links: int  # NVLink links of the thinnest pair (0 when some pair is not directly linked)
     total_links: int
+    spans: bool = False  # across boards (over PCIe): only for a model allowed to mix cards
 
     @property
     def size(self) -> int:
@@ -35,15 +43,16 @@ class GpuSet:
     def describe(self) -> str:
         if self.size == 1:
             return f"GPU {self.gpus[0]} ({self.memory_mib[0]} MiB)"
-        links = f"NVLink x{self.min_links} per pair" if self.min_links else "NVLink (not every pair linked)"
+        links = ("across boards, over PCIe" if self.spans else
+                 f"NVLink x{self.min_links} per pair" if self.min_links else "NVLink (not every pair linked)")
         return f"GPUs {','.join(map(str, self.gpus))} ({'+'.join(map(str, self.memory_mib))} MiB, {links})"
 
 
 class GpuPool:
-    """The box's usable V100s, their boards and links, and which of them services already took."""
+    """The box's cards with a known memory, their boards and links, and which of them services already took."""
 
     def __init__(self, profile: HardwareProfile) -> None:
-        self.gpus: dict[int, Gpu] = {gpu.index: gpu for gpu in profile.gpus if gpu.is_v100 and gpu.memory_mib}
+        self.gpus: dict[int, Gpu] = {gpu.index: gpu for gpu in profile.gpus if gpu.memory_mib}
         self.ignored: list[Gpu] = [gpu for gpu in profile.gpus if gpu.index not in self.gpus]
         self.links: dict[frozenset[int], int] = {frozenset((i, j)): n for i, j, n in profile.nvlink.pairs}
         self.boards: list[tuple[int, ...]] = self._boards(profile)
@@ -89,7 +98,7 @@ class GpuPool:
                     frontier.append(other)
         return len(reached) == len(gpus)
 
-    def candidates(self, size: int, powers_of_two: bool = False) -> list[GpuSet]:
+    def candidates(self, size: int, powers_of_two: bool = False, usable: Usable | None = None) -> list[GpuSet]:
         """Free GPU sets of ``size`` cards, each inside one board and joined by NVLink.
 
         Ordered for a tie: fattest links first, then the smallest board (a single card is taken
@@ -101,16 +110,41 @@ class GpuPool:
         for board in self.boards:
             free = [i for i in board if i not in self.taken]
             for gpus in combinations(free, size):
-                if size == 1 or self._connected(gpus):
+                if (size == 1 or self._connected(gpus)) and (usable is None or usable(gpus)):
                     out.append(self._set(gpus, board))
         return sorted(out, key=lambda s: (-s.min_links, -s.total_links, len(s.board), s.total_mib, s.gpus))
 
-    def largest_free_board(self) -> GpuSet | None:
+    def spanning(self, size: int, usable: Usable) -> list[GpuSet]:
+        """Free sets of ``size`` cards that ``usable`` accepts, across boards: one per mix of card kinds.
+
+        Cards of one kind (architecture and memory) are interchangeable for a fit, so each mix is tried
+        once, with the cards that keep boards together. Fewest kinds first, then the least memory.
+        """
+        groups: dict[tuple[int | None, int], list[int]] = {}
+        order = {index: number for number, board in enumerate(self.boards) for index in board}
+        for index in sorted(self.free, key=lambda i: (order[i], i)):
+            gpu = self.gpus[index]
+            groups.setdefault((gpu.arch, gpu.memory_mib or 0), []).append(index)
+        kinds = sorted(groups)
+        out = []
+        for counts in product(*(range(len(groups[kind]) + 1) for kind in kinds)):
+            if sum(counts) != size:
+                continue
+            gpus = tuple(sorted(i for kind, n in zip(kinds, counts) for i in groups[kind][:n]))
+            if any(set(gpus) <= set(board) for board in self.boards) and self._connected(gpus):
+                continue  # inside one NVLink board: the board's own candidates, never "across boards"
+            if usable(gpus):
+                pairs = [self.links.get(frozenset(pair), 0) for pair in combinations(gpus, 2)]
+                out.append(GpuSet(gpus, tuple(self.gpus[i].memory_mib or 0 for i in gpus), gpus, min(pairs, default=0),
+                                  sum(pairs), spans=True))
+        return sorted(out, key=lambda s: (len({self.gpus[i].arch for i in s.gpus}), s.total_mib, s.gpus))
+
+    def largest_free_board(self, usable: Usable | None = None) -> GpuSet | None:
         """The free part of a board with the most memory (for expert offload), fewer cards on a tie."""
         sets = []
         for board in self.boards:
-            free = tuple(i for i in board if i not in self.taken)
-            if free and (len(free) == 1 or self._connected(free)):
+            free = tuple(i for i in board if i not in self.taken and (usable is None or usable((i,))))
+            if free and (len(free) == 1 or self._connected(free)) and (usable is None or usable(free)):
                 sets.append(self._set(free, board))
         return max(sets, key=lambda s: (s.total_mib, -s.size, -s.gpus[0]), default=None)
 

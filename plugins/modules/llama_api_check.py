@@ -29,6 +29,12 @@ options:
       - When set, requests without it and with a wrong key must be refused with HTTP 401.
     type: str
     default: ""
+  api_key_file:
+    description:
+      - A file on the host whose first line is the key, read when I(api_key) is empty (the server's own key file,
+        so the key never leaves the host).
+    type: str
+    default: ""
   prompt:
     description: User message sent through each API.
     type: str
@@ -41,6 +47,12 @@ options:
     description: Seconds to wait for each reply.
     type: int
     default: 120
+  chat:
+    description:
+      - Whether to send the chat turns (and the key probes). C(false) checks only C(/health) and C(/v1/models)
+        with the key, which is what C(controller status) asks of every server on every run.
+    type: bool
+    default: true
 author: v100-llm-box
 """
 
@@ -66,7 +78,7 @@ served_ids:
 openai:
   description: What the OpenAI API (C(/v1/chat/completions)) answered.
   type: dict
-  returned: when the server is healthy
+  returned: when the server is healthy and I(chat) is true
   contains:
     object:
       description: The reply's C(object), C(chat.completion) when it answered.
@@ -83,7 +95,7 @@ openai:
 anthropic:
   description: What the Anthropic API (C(/v1/messages)) answered.
   type: dict
-  returned: when the server is healthy
+  returned: when the server is healthy and I(chat) is true
   contains:
     type:
       description: The reply's C(type), C(message) when it answered.
@@ -100,7 +112,7 @@ anthropic:
 auth:
   description: Whether the server checks its API key.
   type: dict
-  returned: when the server is healthy
+  returned: when the server is healthy and I(chat) is true
   sample: {required: true, anonymous_status: 401, wrong_key_status: 401}
   contains:
     required:
@@ -172,8 +184,8 @@ def check_auth(base_url, model, api_key, timeout):
     return auth, problems
 
 
-def check(base_url, model, api_key, prompt, max_tokens, timeout):
-    """Run the four checks; returns (result, list of problems)."""
+def check(base_url, model, api_key, prompt, max_tokens, timeout, chat=True):
+    """Run the four checks (the first two without ``chat``); returns (result, list of problems)."""
     headers = {"Authorization": "Bearer " + api_key, "x-api-key": api_key} if api_key else {}
     result = {"health": call(base_url, "/health", {}, timeout).get("status", "unknown")}
     problems = [] if result["health"] == "ok" else [f"/health says {result['health']}"]
@@ -181,6 +193,8 @@ def check(base_url, model, api_key, prompt, max_tokens, timeout):
     result["served_ids"] = [item.get("id") for item in listed.get("data", [])]
     if model not in result["served_ids"]:
         problems.append(f"serves {result['served_ids']}, not {model}")
+    if not chat:
+        return result, problems
     messages = [{"role": "user", "content": prompt}]
     openai = call(base_url, "/v1/chat/completions", headers, timeout,
                   {"model": model, "messages": messages, "max_tokens": max_tokens})
@@ -214,16 +228,28 @@ def main():
             base_url=dict(type="str", required=True),
             model=dict(type="str", required=True),
             api_key=dict(type="str", default="", no_log=True),
+            api_key_file=dict(type="str", default=""),
             prompt=dict(type="str", default="Say hello in five words."),
             max_tokens=dict(type="int", default=16),
             timeout=dict(type="int", default=120),
+            chat=dict(type="bool", default=True),
         ),
         supports_check_mode=True,
     )
     params = module.params
+    api_key = params["api_key"]
+    if not api_key and params["api_key_file"]:
+        try:
+            with open(params["api_key_file"], encoding="utf-8") as handle:
+                api_key = (handle.read().splitlines() or [""])[0].strip()
+        except OSError as exc:
+            module.fail_json(msg=f"cannot read the key file {params['api_key_file']}: {exc.strerror}",
+                             health="unknown")
+        if api_key:
+            module.no_log_values.add(api_key)
     try:
-        result, problems = check(params["base_url"], params["model"], params["api_key"], params["prompt"],
-                                 params["max_tokens"], params["timeout"])
+        result, problems = check(params["base_url"], params["model"], api_key, params["prompt"],
+                                 params["max_tokens"], params["timeout"], params["chat"])
     except RuntimeError as exc:
         module.fail_json(msg=f"{params['base_url']}: {exc}", health="unreachable")
     if problems:

@@ -18,9 +18,11 @@ $spec = @{
         base_url = @{ type = 'str'; required = $true }
         model = @{ type = 'str'; required = $true }
         api_key = @{ type = 'str'; default = ''; no_log = $true }
+        api_key_file = @{ type = 'str'; default = '' }
         prompt = @{ type = 'str'; default = 'Say hello in five words.' }
         max_tokens = @{ type = 'int'; default = 16 }
         timeout = @{ type = 'int'; default = 120 }
+        chat = @{ type = 'bool'; default = $true }
     }
     supports_check_mode = $true
 }
@@ -30,6 +32,16 @@ $textKept = 200
 $baseUrl = $module.Params.base_url.TrimEnd('/')
 $model = $module.Params.model
 $apiKey = $module.Params.api_key
+if (-not $apiKey -and $module.Params.api_key_file) {
+    # The server's own key file, read on the host, so the key never leaves it.
+    try {
+        $apiKey = ([System.IO.File]::ReadAllLines($module.Params.api_key_file) | Select-Object -First 1).Trim()
+    }
+    catch {
+        $module.Result.health = 'unknown'
+        $module.FailJson("cannot read the key file $($module.Params.api_key_file): $($_.Exception.Message)")
+    }
+}
 $timeoutMs = $module.Params.timeout * 1000
 
 function Send-Request {
@@ -152,6 +164,15 @@ $listed = Invoke-Json -Path '/v1/models' -Headers $headers
 $module.Result.served_ids = @(@(Get-Field $listed @('data') @()) | ForEach-Object { [string](Get-Field $_ @('id') '') })
 if ($module.Result.served_ids -notcontains $model) {
     $problems.Add("serves ['$($module.Result.served_ids -join "', '")'], not $model")
+}
+
+# chat: false (controller status) stops here: health and the model id through the key, no chat turns.
+if (-not $module.Params.chat) {
+    $module.Result.changed = $false
+    if ($problems.Count -gt 0) {
+        $module.FailJson("$($baseUrl): $($problems -join '; ')")
+    }
+    $module.ExitJson()
 }
 
 $messages = @(@{ role = 'user'; content = $module.Params.prompt })

@@ -51,11 +51,14 @@ TINY_SOURCE = {
     "CMakeLists.txt": (
         "cmake_minimum_required(VERSION 3.16)\nproject(tiny_llama C)\n"
         'set(TINY_GREETING "tiny" CACHE STRING "")\n'
+        'set(CMAKE_CUDA_ARCHITECTURES "none" CACHE STRING "")\n'
+        'string(REPLACE ";" "+" TINY_ARCHS "${CMAKE_CUDA_ARCHITECTURES}")\n'
         "add_executable(llama-server server.c)\n"
-        'target_compile_definitions(llama-server PRIVATE GREETING="${TINY_GREETING}")\n'
+        'target_compile_definitions(llama-server PRIVATE GREETING="${TINY_GREETING}" ARCHS="${TINY_ARCHS}")\n'
         "set_target_properties(llama-server PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)\n"
     ),
-    "server.c": '#include <stdio.h>\nint main(void) { printf("version: %s\\n", GREETING); return 0; }\n',
+    "server.c": ('#include <stdio.h>\n'
+                 'int main(void) { printf("version: %s cuda %s\\n", GREETING, ARCHS); return 0; }\n'),
 }
 
 

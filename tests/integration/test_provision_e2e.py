@@ -14,7 +14,6 @@ import httpx
 import pytest
 import yaml
 
-from lab.fileserver import FileServer
 from lab.target import free_port
 from tests.cli import REPO, run_controller
 
@@ -28,15 +27,8 @@ controller = partial(run_controller, timeout=900)
 
 
 @pytest.fixture(scope="module")
-def site(lab_site):
-    root, catalog = lab_site
-    with FileServer(root) as server:
-        yield server, catalog
-
-
-@pytest.fixture(scope="module")
-def fleet_file(tmp_path_factory, site, systemd_target):
-    server, catalog = site
+def fleet_file(tmp_path_factory, site_server, systemd_target):
+    server, catalog = site_server
     folder = tmp_path_factory.mktemp("fleet")
     (folder / "api_key").write_text(API_KEY)
     (folder / "hf_token").write_text(HF_TOKEN)
@@ -197,3 +189,106 @@ def test_unknown_model_id_names_the_id_and_the_file(fleet_file, tmp_path):
     path.write_text(yaml.safe_dump(fleet))
     done = controller("provision", "lab1", "--fleet", str(path))
     assert done.returncode == 2 and "unknown model id 'no-such-model'" in done.stderr and str(path) in done.stderr
+
+
+def test_agent_clients_are_wired_and_a_users_openclaw_config_is_kept(fleet_file, systemd_target):
+    """The Claude Code launch script and the OpenClaw merge on the box: an OpenClaw config that is not JSON5 is
+    refused and left byte for byte; a valid one keeps the user's settings beside the box's provider."""
+    import json5
+
+    config = "/root/.openclaw/openclaw.json"
+    broken = "// mine\n{ channels: { telegram: { enabled: true, } \n"
+    systemd_target.exec(f"mkdir -p /root/.openclaw && cat > {config}", input=broken)
+    _summary, _report, done = run_json(fleet_file)
+    assert done.returncode == 5, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"{config} is not valid JSON5" in done.stdout + done.stderr
+    assert systemd_target.exec(["cat", config]) == broken
+
+    mine = "// mine\n{ channels: { telegram: { enabled: true, botToken: '1:a' } }, agents: { defaults: { workspace: '~/w' } }, }\n"
+    systemd_target.exec(f"cat > {config}", input=mine)
+    _summary, report, done = run_json(fleet_file)
+    assert done.returncode == 0 and report["verified"] is True, done.stdout[-3000:] + done.stderr[-3000:]
+    merged = json5.loads(systemd_target.exec(["cat", config]))
+    assert merged["channels"]["telegram"] == {"enabled": True, "botToken": "1:a"}
+    assert merged["agents"]["defaults"]["workspace"] == "~/w"
+    (model,) = merged["models"]["providers"]["v100-lab1"]["models"]
+    assert merged["models"]["providers"]["v100-lab1"]["apiKey"] == API_KEY and model["id"] == "tiny-llama"
+    assert model["contextWindow"] == 2048  # the context this fleet asks for
+    script = "/root/.local/bin/claude-tiny-llama"
+    modes = systemd_target.exec(["stat", "-c", "%a %U", script, config,
+                                 "/root/.config/v100-llm-box/keys/llama-tiny-llama.key"]).split("\n")
+    assert modes[:3] == ["700 root", "600 root", "600 root"]
+    text = systemd_target.exec(["cat", script])
+    assert API_KEY not in text and "export ANTHROPIC_MODEL=tiny-llama" in text
+    assert "export CLAUDE_CODE_AUTO_COMPACT_WINDOW=2048" in text
+
+
+# A stand-in for the `claude` program on the workstation: one Anthropic Messages request with exactly the
+# environment the launch script exports (the test shows the wiring reaches the box, not Claude Code itself,
+# which needs a Node the workstation image lacks; tests/integration/test_agent_clients.py runs the real one).
+CLAUDE_STAND_IN = """#!/usr/bin/python3
+import json, os, urllib.request
+body = {"model": os.environ["ANTHROPIC_MODEL"], "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
+request = urllib.request.Request(os.environ["ANTHROPIC_BASE_URL"] + "/v1/messages", json.dumps(body).encode(),
+                                 {"content-type": "application/json", "x-api-key": os.environ["ANTHROPIC_AUTH_TOKEN"],
+                                  "anthropic-version": "2023-06-01"})
+print(json.dumps({"reply": json.load(urllib.request.urlopen(request, timeout=60)),
+                  "window": os.environ["CLAUDE_CODE_AUTO_COMPACT_WINDOW"]}))
+"""
+
+
+def test_a_workstation_of_the_fleet_gets_the_clients_wired_to_the_box(fleet_file, target_factory):
+    """`controller provision WORKSTATION` on a second machine: launch scripts and key copies for two accounts, the
+    OpenClaw config merged (an invalid one refused and left byte for byte), no key in the inventory, and the
+    launch script's environment reaches the box's server."""
+    import json5
+
+    station = target_factory()
+    station.exec("useradd --create-home dev && mkdir -p /root/.openclaw")
+    station.exec("cat > /usr/local/bin/claude && chmod 755 /usr/local/bin/claude", input=CLAUDE_STAND_IN)
+    fleet = yaml.safe_load(fleet_file.read_text())
+    fleet["workstations"] = {"desk": {"address": station.host, "port": station.ssh_port, "user": "root",
+                                      "key": str(station.key), "accounts": ["root", "dev"], "boxes": ["lab1"]}}
+    path = fleet_file.with_name("fleet-desk.yml")  # beside fleet.yml: the same inventory, lab1's plan in it
+    path.write_text(yaml.safe_dump(fleet))
+    config = "/root/.openclaw/openclaw.json"
+    broken = "{ gateway: { port: 18789, }\n"
+    station.exec(f"cat > {config}", input=broken)
+    done = controller("provision", "desk", "--fleet", str(path), "--json")
+    assert done.returncode == 5 and f"{config} is not valid JSON5" in done.stdout + done.stderr, done.stdout[-3000:]
+    assert station.exec(["cat", config]) == broken
+
+    mine = "// mine\n{ gateway: { port: 18789 }, models: { providers: { other: { baseUrl: 'http://x/v1', models: [] } } } }\n"
+    station.exec(f"cat > {config}", input=mine)
+    done = controller("provision", "desk", "--fleet", str(path), "--json")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    answer = next(json.loads(line) for line in done.stdout.splitlines() if '"type": "clients"' in line)
+    (service,) = answer["services"]
+    assert answer["accounts"] == ["root", "dev"] and service["script"] == "claude-tiny-llama"
+    merged = json5.loads(station.exec(["cat", config]))
+    assert merged["gateway"] == {"port": 18789} and "other" in merged["models"]["providers"]
+    assert merged["models"]["providers"]["v100-lab1"]["apiKey"] == API_KEY
+    assert merged["models"]["providers"]["v100-lab1"]["baseUrl"] == service["base_url"] + "/v1"
+    for account, home in (("root", "/root"), ("dev", "/home/dev")):
+        script, key = f"{home}/.local/bin/claude-tiny-llama", f"{home}/.config/v100-llm-box/keys/lab1.key"
+        assert station.exec(["stat", "-c", "%a %U", script, key]).split("\n")[:2] == [f"700 {account}", f"600 {account}"]
+        assert API_KEY not in station.exec(["cat", script]) and station.exec(["cat", key]).strip() == API_KEY
+    assert station.exec(["stat", "-c", "%a", "/home/dev/.openclaw/openclaw.json"]).strip() == "600"
+    inventory = fleet_file.parent / "inventory"
+    assert (inventory / "workstations.yml").is_file() and (inventory / "host_vars" / "desk.yml").is_file()
+    leaked = [str(file) for file in inventory.rglob("*") if file.is_file() and API_KEY.encode() in file.read_bytes()]
+    assert leaked == []  # neither the rendered files nor the run's artifacts hold the key
+    assert "lab1" not in yaml.safe_load((inventory / "workstations.yml").read_text().replace("!unsafe", ""))["all"][
+        "children"]["workstations"]["hosts"]
+
+    # dev's launch script, as dev: its environment (the key from dev's own copy) reaches the box's server.
+    ran = json.loads(station.exec(["su", "-", "dev", "-c", "/home/dev/.local/bin/claude-tiny-llama"]))
+    assert ran["reply"]["type"] == "message" and ran["reply"]["content"], ran
+    assert ran["window"] == "2048"
+    refused = station.exec(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-H", "x-api-key: wrong-key-0123456789",
+                            "-H", "content-type: application/json", "-d", "{}", service["base_url"] + "/v1/messages"])
+    assert refused.strip() == "401"
+
+    again = controller("provision", "desk", "--fleet", str(path), "--json")  # converged: nothing changes
+    summary = next(json.loads(line) for line in again.stdout.splitlines() if '"type": "summary"' in line)
+    assert again.returncode == 0 and summary["hosts"]["desk"]["changed"] == 0, again.stdout[-3000:]

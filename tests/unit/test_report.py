@@ -12,7 +12,8 @@ from tests.unit.tiny_box import CPU_PROFILE
 
 SERVICE_FIELDS = {"name", "model", "engine", "endpoint", "gpus", "ctx", "parallel", "verified", "health",
                   "served_ids", "openai", "anthropic", "auth", "reasons"}
-REPORT_FIELDS = {"box", "address", "generated", "hardware", "run", "driver", "services", "unplaced", "verified"}
+REPORT_FIELDS = {"box", "address", "generated", "hardware", "run", "driver", "cache", "services", "unplaced",
+                 "verified"}
 
 
 def box(tmp_path, **fields):

@@ -10,8 +10,15 @@ import yaml
 from controller import facts
 
 ROOT = Path(__file__).resolve().parents[2]
-ROLE_NAMES = ["gguf_model", "llama_engine", "llama_service", "llama_verify", "nvidia_driver"]
+ROLE_NAMES = ["agent_clients", "gguf_model", "lan_cache", "llama_engine", "llama_service", "llama_verify", "llm_gateway",
+              "nvidia_driver"]
 ROLES = [ROOT / "roles" / name for name in ROLE_NAMES]
+# Roles with no Windows side: the planner refuses them on a Windows box and main.yml says so. llm_gateway's
+# HAProxy has no Windows build; it runs end to end in tests/integration/test_llm_gateway.py instead of molecule.
+# agent_clients writes per-account launch scripts on Linux (a Windows box's come from llama_service); it runs end
+# to end in tests/integration/test_provision_e2e.py.
+# lan_cache (nginx) runs on the fleet's Linux cache host; it runs end to end in tests/integration/test_lan_cache.py.
+LINUX_ONLY = {"agent_clients", "llm_gateway", "lan_cache"}
 # Variables whose values are facts of controller/facts.py: the inventory carries them, no role defaults them.
 FACT_VARIABLES = {
     "nvidia_driver": {"nvidia_driver_window", "nvidia_driver_installer"},
@@ -110,9 +117,13 @@ def test_urls_built_from_the_bind_use_the_reachable_host_filter():
 @pytest.mark.parametrize("role", ROLES, ids=ROLE_NAMES)
 def test_each_role_dispatches_by_os_and_has_docs_and_a_scenario(role: Path):
     assert (role / "README.md").is_file() and (role / "meta" / "argument_specs.yml").is_file()
-    assert (role / "molecule" / "default" / "molecule.yml").is_file()
     main = (role / "tasks" / "main.yml").read_text()
     assert "os_family" in main or "windows" in main, f"{role.name}'s main.yml does not pick the OS's tasks"
+    if role.name in LINUX_ONLY:
+        platforms = {p["name"] for p in yaml.safe_load((role / "meta/main.yml").read_text())["galaxy_info"]["platforms"]}
+        assert "Windows" not in platforms and "Windows" in main, f"{role.name} must refuse Windows in main.yml"
+        return
+    assert (role / "molecule" / "default" / "molecule.yml").is_file()
     assert (role / "tasks" / "windows.yml").is_file() or list(role.glob("tasks/windows-*.yml"))
     platforms = {p["name"] for p in yaml.safe_load((role / "meta/main.yml").read_text())["galaxy_info"]["platforms"]}
     assert "Windows" in platforms and "Debian" in platforms

@@ -33,11 +33,21 @@ def test_single_cards_come_from_the_smallest_board_first_and_taken_cards_are_gon
         pool.take((1,))
 
 
-def test_other_gpus_are_ignored_and_a_mixed_box_is_noticed():
-    mixed = HardwareProfile(gpus=[Gpu(index=0, name="NVIDIA GeForce RTX 3090", memory_mib=24576),
-                                  Gpu(index=1, name="Tesla V100-PCIE-16GB", memory_mib=16384)])
+def test_every_card_with_a_memory_is_pooled_and_a_mixed_box_is_noticed():
+    # Which card a model may use is the planner's test (an engine built for its architecture); the pool
+    # leaves out only the cards whose memory the probe did not see.
+    mixed = HardwareProfile(gpus=[Gpu(index=0, name="NVIDIA GeForce RTX 3090", memory_mib=24576, compute_capability="8.6"),
+                                  Gpu(index=1, name="Tesla V100-PCIE-16GB", memory_mib=16384),
+                                  Gpu(index=2, name="Tesla V100-PCIE-16GB")])
     pool = GpuPool(mixed)
-    assert list(pool.gpus) == [1] and [g.index for g in pool.ignored] == [0] and pool.mixed
+    assert list(pool.gpus) == [0, 1] and [g.index for g in pool.ignored] == [2] and pool.mixed
+    assert [pool.gpus[i].arch for i in (0, 1)] == [86, 70]  # a V100 is sm_70 even without a probed capability
+    volta_only = pool.candidates(1, usable=lambda gpus: all(pool.gpus[i].arch == 70 for i in gpus))
+    assert [c.gpus for c in volta_only] == [(1,)]
+    assert pool.candidates(2) == []  # no NVLink between them: never one board
+    spanning = pool.spanning(2, usable=lambda gpus: True)
+    assert [(c.gpus, c.spans) for c in spanning] == [((0, 1), True)]
+    assert "across boards, over PCIe" in spanning[0].describe()
     assert not GpuPool(profile(DUAL)).mixed
 
 

@@ -208,3 +208,17 @@ def test_helper_brackets_an_ipv6_bind(tmp_path):
     script = (out / "llama-gemma4.ps1").read_text()
     assert parse_errors(script) == []
     assert ps_value(script, "ANTHROPIC_BASE_URL") == "'http://[::1]:8011'"
+
+
+def test_helper_carries_the_clients_environment_from_the_plan(tmp_path):
+    """The same variables `controller clients` prints: the planned context for compaction, the output budget."""
+    env = {"ANTHROPIC_MODEL": GEMMA["model"], "CLAUDE_CODE_AUTO_COMPACT_WINDOW": "32768",
+           "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "8192", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+    out = render(tmp_path, "127.0.0.1", "", [GEMMA],
+                 more_vars={"agent_clients_services": [{"name": GEMMA["name"], "model": GEMMA["model"], "env": env}]})
+    script = (out / "llama-gemma4.ps1").read_text()
+    assert parse_errors(script) == []
+    assert ps_value(script, "CLAUDE_CODE_AUTO_COMPACT_WINDOW") == "'32768'"
+    assert ps_value(script, "CLAUDE_CODE_MAX_OUTPUT_TOKENS") == "'8192'"
+    assert ps_value(script, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC") == "'1'"
+    assert ps_value(script, "ANTHROPIC_MODEL") == "$model"

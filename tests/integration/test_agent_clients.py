@@ -1,0 +1,165 @@
+"""The real clients against a real server: Claude Code (the pinned npm release) and OpenClaw's requests.
+
+The box is a loopback box planned for the demo model with ``agents: [claude-code, openclaw]``; its
+service runs the planned llama-server command line. Claude Code gets exactly the environment
+``controller clients --json`` prints. OpenClaw needs a newer Node than Debian ships, so its provider
+entry is exercised by sending the requests OpenClaw sends (chat completions with tools, streamed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shlex
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import json5
+import pytest
+import yaml
+
+from controller.catalog import load_catalog
+from controller.clients import load_plan, merge_openclaw
+from controller.fleet import load_fleet
+from controller.planner import plan_box
+from controller.profile import Cpu, HardwareProfile, OsInfo
+from lab.agent_turn import run_turn, wait_healthy
+from lab.site import DEMO_MODELS, MODEL_REPO
+from lab.target import free_port
+from tests.cli import REPO, run_controller
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+MODEL = DEMO_MODELS[0].id
+KEY = "agent-clients-test-key-0123456789"
+PROMPT = "Say hello in five words."
+
+
+@pytest.fixture(scope="module")
+def agent_box(tmp_path_factory, lab_site) -> Path:
+    """A fleet with one loopback box serving the demo model to both clients, planned and rendered (plans/)."""
+    root, catalog = lab_site
+    folder = tmp_path_factory.mktemp("agents")
+    key = folder / "api.key"
+    key.write_text(KEY + "\n")
+    key.chmod(0o600)
+    fleet_path = folder / "fleet.yml"
+    fleet_path.write_text(yaml.safe_dump({"catalogs": [str(catalog)], "boxes": {"agents": {
+        "address": "127.0.0.1", "transport": "local", "base_port": free_port(), "model_dir": str(root / MODEL_REPO),
+        "api_key": {"file": str(key)}, "models": [{"id": MODEL, "agents": ["claude-code", "openclaw"]}]}}}))
+    fleet = load_fleet(fleet_path)
+    box = fleet.box("agents")
+    profile = HardwareProfile(cpu=Cpu(cores=2, threads=2), memory_mib=8192, os=OsInfo(family="linux"))
+    plan = plan_box(box, profile, load_catalog(fleet.catalogs))
+    assert plan.fits and plan.services[0].ctx >= 65536, plan
+    (folder / "inventory" / "plans").mkdir(parents=True)
+    (folder / "inventory" / "plans" / "agents.json").write_text(plan.model_dump_json())
+    return fleet_path
+
+
+def _clients(fleet_path: Path) -> dict:
+    result = run_controller("clients", "agents", "--fleet", str(fleet_path), "--json", timeout=60)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def _assert_completed(turn: dict) -> None:
+    result = turn["result"]
+    assert turn["returncode"] == 0 and result is not None, turn["stdout"] + turn["stderr"]
+    assert result["is_error"] is False and result["subtype"] == "success", result
+    assert result["terminal_reason"] == "completed", result
+    assert list(result["modelUsage"]) == [MODEL], result["modelUsage"]  # every request named the served model
+    ctx = turn["clients"]["services"][0]["ctx"]
+    assert result["modelUsage"][MODEL]["contextWindow"] == ctx  # Claude Code budgets with the planned context
+    # The server saw Claude Code's request: its whole system prompt and tools, well past 2048 tokens.
+    prompts = [int(n) for n in re.findall(rf"new prompt, n_ctx_slot = {ctx}, .*task\.n_tokens = (\d+)",
+                                          turn["server_log"])]
+    assert prompts and max(prompts) > 8192, turn["server_log"][-3000:]
+
+
+def test_claude_code_completes_a_turn_with_the_generated_environment(agent_box, llama_server):
+    _assert_completed(run_turn(agent_box, "agents", llama_server, PROMPT))
+
+
+@pytest.mark.skipif(os.geteuid() != 0 and not os.environ.get("CI"), reason="a network namespace needs root")
+def test_claude_code_needs_nothing_beyond_the_box(agent_box, llama_server):
+    """The same turn inside a network namespace that has only loopback: nothing else is contacted."""
+    script = "ip link set lo up && exec " + shlex.join(map(str, [sys.executable, "-m", "lab.agent_turn", agent_box,
+                                                                 "agents", llama_server, PROMPT]))
+    done = subprocess.run(["unshare", "--net", "sh", "-c", script], check=False, cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    turn = json.loads(done.stdout)
+    _assert_completed(turn)
+    links = subprocess.run(["unshare", "--net", "ip", "-o", "link"], capture_output=True, text=True, check=True)
+    assert [line.split(":")[1].strip() for line in links.stdout.splitlines()] == ["lo"]
+
+
+def test_a_prompt_beyond_the_planned_context_gets_the_engines_error(agent_box, llama_server):
+    """Claude Code shows the engine's refusal of a prompt larger than the planned context."""
+    ctx = _clients(agent_box)["services"][0]["ctx"]
+    rng = random.Random(7)  # random characters: about one token each with the demo model's small vocabulary
+    prompt = "".join(rng.choice(string.ascii_letters + string.digits + " ") for _ in range(ctx + 24000))
+    turn = run_turn(agent_box, "agents", llama_server, prompt)
+    result = turn["result"]
+    assert result is not None, turn["stdout"] + turn["stderr"]
+    assert result["is_error"] is True and result["api_error_status"] == 400, result
+    assert result["terminal_reason"] == "prompt_too_long", result
+    assert f"exceeds the available context size ({ctx} tokens)" in result["result"]
+    assert "exceeds the available context size" in turn["server_log"]
+
+
+def test_openclaw_provider_entry_drives_the_server_as_openclaw_does(agent_box, llama_server, tmp_path):
+    """OpenClaw's requests with the generated provider values: tools, streaming, within its context window."""
+    entry = _clients(agent_box)["services"][0]["openclaw"]
+    config_path = tmp_path / "openclaw.json"
+    config_path.write_text("// the user's own settings\n{ agents: { defaults: { workspace: '~/w' } }, }\n")
+    config_path.write_text(merge_openclaw(config_path.read_text(), entry["provider_id"], entry["provider"]))
+    config = json5.loads(config_path.read_text())  # the file OpenClaw reads parses as JSON5
+    assert config["agents"]["defaults"]["workspace"] == "~/w"
+    provider = config["models"]["providers"][entry["provider_id"]]
+    (model,) = provider["models"]
+    assert provider["api"] == "openai-completions" and model["contextWindow"] >= 65536
+
+    fleet = load_fleet(agent_box)
+
+    planned = load_plan(agent_box.parent / "inventory", fleet.box("agents")).services[0]
+    log = tmp_path / "server.log"
+    with open(log, "wb") as handle:
+        server = subprocess.Popen([str(llama_server), *planned.args, "--api-key-file",
+                                   str(fleet.box("agents").api_key.file)], stdout=handle, stderr=subprocess.STDOUT)
+    try:
+        base = provider["baseUrl"]
+        wait_healthy(base.removesuffix("/v1"), server, log)
+        tools = [{"type": "function", "function": {"name": "read", "description": "Read a file",
+                                                   "parameters": {"type": "object",
+                                                                  "properties": {"path": {"type": "string"}},
+                                                                  "required": ["path"]}}}]
+        body = {"model": model["id"], "stream": True, "stream_options": {"include_usage": True},
+                "max_tokens": 16, "tools": tools,
+                "messages": [{"role": "system", "content": "You are a personal assistant. " * 400},
+                             {"role": "user", "content": "hello"}]}
+        chunks, usage = [], None
+        with httpx.stream("POST", f"{base}/chat/completions", json=body, timeout=300,
+                          headers={"Authorization": f"Bearer {provider['apiKey']}"}) as reply:
+            assert reply.status_code == 200, reply.read()[:500]
+            assert reply.headers["content-type"].startswith("text/event-stream")
+            for line in reply.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    event = json.loads(line[6:])
+                    chunks.append(event)
+                    usage = event.get("usage") or usage
+        assert len(chunks) > 1 and chunks[0]["model"] == model["id"]
+        assert any(choice.get("finish_reason") for chunk in chunks for choice in chunk.get("choices", []))
+        assert usage and usage["prompt_tokens"] > 1000  # the long system prompt went through, within the window
+        wrong = httpx.post(f"{base}/chat/completions", json={**body, "stream": False}, timeout=60,
+                           headers={"Authorization": "Bearer not-the-key-0000000000"})
+        assert wrong.status_code == 401
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

@@ -1,0 +1,127 @@
+"""`controller status` against a real provisioned box (SSH into a systemd container, the CPU engine, a tiny
+model): healthy without drift, then hand edits on the box reported as drift with their fix while status leaves
+the box as it found it, a box that is down reported as unreachable in the same run, and provision bringing it
+back."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from functools import partial
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lab import standin_smi
+from lab.fileserver import FileServer
+from lab.target import free_port
+from tests.cli import run_controller
+
+pytestmark = [pytest.mark.podman, pytest.mark.engine, pytest.mark.slow]
+
+controller = partial(run_controller, timeout=600)
+UNIT = "/etc/systemd/system/llama-tiny-llama.service"
+MODEL = "/var/lib/llama/models/tiny-llama-128k-q8_0.gguf"
+# Written for this test (not a capture): what the status query asks nvidia-smi, for one V100 whose memory the
+# servers use; the stand-in prints it for any --query-gpu.
+SMI_QUERY = ("index, name, driver_version, temperature.gpu, memory.used [MiB], memory.total [MiB]\n"
+             "0, Tesla V100-PCIE-32GB, 580.82.07, 47, 1234 MiB, 32768 MiB\n")
+
+
+@pytest.fixture(scope="module")
+def fleet_file(tmp_path_factory, lab_site, systemd_target):
+    root, catalog = lab_site
+    folder = tmp_path_factory.mktemp("status")
+    with FileServer(root) as server:
+        box = {"address": systemd_target.host, "port": systemd_target.ssh_port, "user": "root",
+               "key": str(systemd_target.key), "models": [{"id": "tiny-llama", "ctx": 2048}],
+               "mirror": {"engines": f"{server.url}/engines", "models": server.url}}
+        fleet = {"catalogs": [str(catalog)], "boxes": {
+            "lab1": {**box, "base_port": free_port()},
+            # provisioned once, now down: nothing listens on its SSH port
+            "lab2": {**box, "port": free_port(), "base_port": free_port()},
+        }}
+        path = folder / "fleet.yml"
+        path.write_text(yaml.safe_dump(fleet))
+        done = controller("provision", "lab1", "--fleet", str(path), "--json")
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        inventory = folder / "inventory"
+        for kind, suffix in (("plans", "json"), ("host_vars", "yml")):  # lab2's plan, as its provision left it
+            shutil.copy(inventory / kind / f"lab1.{suffix}", inventory / kind / f"lab2.{suffix}")
+        # status reads the GPUs; a later provision would probe this V100 and plan the GPU engine, so the
+        # stand-in goes again before the test that provisions
+        standin_smi.install(systemd_target, {"nvidia-smi-query.csv": SMI_QUERY})
+        yield path
+
+
+def status(fleet_file: Path, *boxes: str) -> tuple[dict, int, str]:
+    done = controller("status", *boxes, "--fleet", str(fleet_file), "--json")
+    assert "Traceback" not in done.stderr, done.stderr
+    return json.loads(done.stdout), done.returncode, done.stderr
+
+
+def test_a_provisioned_box_is_healthy_without_drift(fleet_file):
+    answer, code, err = status(fleet_file, "lab1")
+    assert code == 0, (answer, err)
+    (box,) = answer["boxes"]
+    assert box["name"] == "lab1" and box["reachable"] is True and box["drift"] == []
+    (service,) = box["services"]
+    port = yaml.safe_load(fleet_file.read_text())["boxes"]["lab1"]["base_port"]
+    assert {key: service[key] for key in ("model", "port", "active", "healthy", "served_model")} == {
+        "model": "tiny-llama", "port": port, "active": True, "healthy": True, "served_model": "tiny-llama"}
+    assert box["engines"][0]["running"] == box["engines"][0]["planned"]
+    assert box["models"][0]["ok"] is True and box["models"][0]["size_bytes"] > 0
+    assert box["gpus"] == [{"index": 0, "name": "Tesla V100-PCIE-32GB", "driver_version": "580.82.07",
+                            "temperature_c": 47, "memory_used_mib": 1234, "memory_total_mib": 32768,
+                            "memory_planned_mib": None}]
+    human = controller("status", "lab1", "--fleet", str(fleet_file))
+    assert human.returncode == 0 and "lab1: healthy, no drift" in human.stdout
+
+
+def test_hand_edits_are_drift_with_their_fix_and_status_changes_nothing(fleet_file, systemd_target):
+    systemd_target.exec(f"sed -i 's/^RestartSec=5$/RestartSec=9/' {UNIT} && systemctl daemon-reload && "
+                        "systemctl disable --now llama-tiny-llama.service")
+    systemd_target.exec(f"cp -p {MODEL} /tmp/copy.gguf && mv /tmp/copy.gguf {MODEL}")  # same bytes, another file
+    current = systemd_target.exec("readlink /opt/llama/cpu/current").strip()
+    systemd_target.exec(f"cp -a /opt/llama/cpu/{current} /opt/llama/cpu/0000000 && "
+                        "ln -sfn 0000000 /opt/llama/cpu/current")
+    unit_before = systemd_target.exec(f"sha1sum {UNIT}")
+
+    answer, code, err = status(fleet_file, "lab1", "lab2")
+    assert code == 3, (answer, err)  # a box down comes first; the other is still read
+    lab1, lab2 = answer["boxes"]
+    assert lab2["name"] == "lab2" and lab2["reachable"] is False and lab2["error"]
+    assert lab1["reachable"] is True
+    drift = {entry["what"]: entry for entry in lab1["drift"]}
+    assert set(drift) == {"unit-edited", "service-stopped", "service-disabled", "model-replaced", "engine-switched"}
+    assert all(entry["fix"].startswith(f"controller provision lab1 --fleet {fleet_file}") for entry in drift.values())
+    assert UNIT in drift["unit-edited"]["detail"]
+    assert f"points at 0000000, the plan says {current}" in drift["engine-switched"]["detail"]
+    (service,) = lab1["services"]
+    assert service["active"] is False and service["healthy"] is False
+
+    # read-only: the unit is still the edited one, the service still stopped and disabled, the link still moved
+    assert systemd_target.exec(f"sha1sum {UNIT}") == unit_before
+    assert systemd_target.run("systemctl is-active llama-tiny-llama.service").stdout.strip() == "inactive"
+    assert systemd_target.run("systemctl is-enabled llama-tiny-llama.service").stdout.strip() == "disabled"
+    assert systemd_target.exec("readlink /opt/llama/cpu/current").strip() == "0000000"
+
+    _answer, alone, _err = status(fleet_file, "lab1")
+    assert alone == 6  # without the box that is down: a stopped server
+    human = controller("status", "lab1", "--fleet", str(fleet_file))
+    assert "drift unit-edited" in human.stdout and "fix: controller provision lab1" in human.stdout
+
+    systemd_target.exec(f"rm -f {standin_smi.STANDIN_PATH}")  # a CPU box again, as it was provisioned
+    done = controller("provision", "lab1", "--fleet", str(fleet_file), "--json")  # the fix it names
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    answer, code, err = status(fleet_file, "lab1")
+    assert code == 0 and answer["boxes"][0]["drift"] == [], (answer, err)
+
+
+def test_bad_input_is_one_line(fleet_file):
+    done = controller("status", "nosuch", "--fleet", str(fleet_file))
+    assert done.returncode == 2 and "no box or group named 'nosuch'" in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    both = controller("status", "lab1", "--all", "--fleet", str(fleet_file))
+    assert both.returncode == 2 and "not both" in both.stderr
