@@ -21,7 +21,7 @@ from typing import Any
 
 from controller.errors import ControllerError, FleetError
 from controller.facts import AGENT_CLIENT_CTX, STREAM_SILENCE_S, reachable_host
-from controller.fleet import Box, Fleet
+from controller.fleet import Box, Fleet, check_api_key
 from controller.serveplan import ServePlan, Service
 
 CLIENTS = tuple(AGENT_CLIENT_CTX)  # "claude-code", "openclaw"
@@ -137,8 +137,6 @@ def box_api_key(box: Box) -> str:
     if box.api_key is None:
         raise FleetError(f"box {box.name}: its servers use keys generated on the box, which the controller never "
                          f"sees; set api_key (env: or file:) in the fleet file and provision again")
-    from controller.render import check_api_key
-
     what = f"box {box.name} api_key"
     return check_api_key(box.api_key.resolve(what), what)
 

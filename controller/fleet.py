@@ -28,7 +28,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from controller.catalog import Name
 from controller.errors import FleetError
@@ -58,6 +67,20 @@ def _networks(value: list[str]) -> list[str]:
 
 BindAddress = Annotated[str, AfterValidator(_address)]  # an IP address a server binds
 Networks = Annotated[list[str], AfterValidator(_networks)]  # CIDR networks, normalised
+
+
+# The servers read the key as one line of a key file and compare it byte for byte with the header a
+# client sends; HTTP drops spaces around header values and upstream skips key lines starting with "#".
+# The same rule is checked by roles/llama_service (preflight) for hand-written inventories.
+API_KEY_RULE = re.compile(r"[!-~]{16,256}")
+
+
+def check_api_key(key: str, what: str) -> str:
+    if not API_KEY_RULE.fullmatch(key) or key.startswith("#"):
+        raise FleetError(f"{what}: use 16 to 256 printable ASCII characters with no spaces (letters, digits, "
+                         f"punctuation; not starting with #); the key given has {len(key)} characters"
+                         + ("" if API_KEY_RULE.fullmatch(key) else " and some outside that set"))
+    return key
 
 
 class _Strict(BaseModel):

@@ -20,9 +20,24 @@ from pathlib import Path
 from typing import Any
 
 from controller.catalog import Catalog, load_catalog
-from controller.errors import ControllerError, PlanError, RunError
-from controller.files import inventory_lock
+from controller.errors import ControllerError, LockError, PlanError, RunError
+from controller.files import inventory_lock, write_atomic
 from controller.fleet import Box, Fleet
+from controller.lock import (
+    BoxLock,
+    Lock,
+    changes,
+    check_box,
+    check_fleet,
+    check_fleet_file,
+    differences,
+    dumps,
+    entry_for,
+    held,
+    lock_path,
+    read_lock,
+    updated,
+)
 from controller.planner import plan_box
 from controller.profile import HardwareProfile
 from controller.provision import add_gateway, check_driver
@@ -270,3 +285,80 @@ def failure_message(fleet_run: FleetRun) -> str:
     failed = fleet_run.failed
     named = "; ".join(f"{outcome.box}: {outcome.result}: {outcome.reason}" for outcome in failed)
     return f"{len(failed)} of {len(fleet_run.outcomes)} boxes did not provision: {named}"
+
+
+# ---------------------------------------------------------------- the fleet's lock, planned afresh
+
+
+def fresh_entries(fleet: Fleet, names: list[str], inventory: Path) -> dict[str, BoxLock]:
+    """Probe and plan ``names`` concurrently (as provisioning would) and build their entries; the first failure
+    is raised, so nothing is written from half a fleet."""
+    catalog = check_selection(fleet, names)
+    with ThreadPoolExecutor(max_workers=max(1, min(PROBE_WORKERS, len(names))), thread_name_prefix="lock") as pool:
+        planned = list(pool.map(lambda name: probe_and_plan(fleet.boxes[name], catalog, inventory), names))
+    entries = {}
+    for item in planned:
+        add_gateway(fleet, item.box, item.plan, inventory)  # over the rendered plans of the boxes it routes to
+        entries[item.box.name] = entry_for(item.box, item.profile, item.plan)
+    return entries
+
+
+def _require(path: Path, fleet_path: Path) -> Lock:
+    lock = read_lock(path)
+    if lock is None:
+        raise LockError(f"{fleet_path} has no lock ({path}): run `controller lock --fleet {fleet_path}` "
+                        "(or provision without --locked) to write one")
+    return lock
+
+
+def check_locked(fleet: Fleet, fleet_path: Path, names: list[str], inventory: Path, path: Path | None = None,
+                 ) -> Lock:
+    """For ``provision --locked``: plan ``names`` afresh and refuse, before anything is rendered or run on any box,
+    whatever differs from the lock."""
+    path = path or lock_path(fleet_path)
+    lock = _require(path, fleet_path)
+    check_fleet(lock, fleet, fleet_path, path)
+    for name in names:
+        fleet.box(name)
+        if name not in lock.boxes:
+            raise LockError(f"box {name} is not in {path}: run `controller lock --fleet {fleet_path} --update` "
+                            "(or provision it without --locked) to add it")
+    for name, entry in fresh_entries(fleet, names, inventory).items():
+        check_box(lock, name, entry, fleet_path, path)
+    return lock
+
+
+@dataclass
+class LockOutcome:
+    path: Path
+    lock: Lock
+    written: bool
+    changes: list[str]  # what the update changed, or (without --update) how the fleet now differs
+
+
+def lock_fleet(fleet: Fleet, fleet_path: Path, inventory: Path, names: list[str] | None = None,
+               update: bool = False, path: Path | None = None) -> LockOutcome:
+    """``controller lock``: write the lock when there is none; with ``update``, refresh ``names`` (default: every
+    box) and drop the boxes the fleet no longer names; without it, compare and write nothing."""
+    path = path or lock_path(fleet_path)
+    names = list(names) if names else sorted(fleet.boxes)
+    for name in names:
+        fleet.box(name)
+    existing = read_lock(path)
+    if existing is not None and not update:
+        check_fleet(existing, fleet, fleet_path, path)
+        fresh = fresh_entries(fleet, names, inventory)
+        found = [f"{name}: not in the lock" for name in names if name not in existing.boxes]
+        found += [f"{name}: {line}" for name in names if name in existing.boxes
+                  for line in differences(existing.boxes[name], fresh[name])]
+        return LockOutcome(path, existing, False, found)
+    if existing is not None:
+        check_fleet_file(existing, fleet, fleet_path, path)
+    fresh = fresh_entries(fleet, names, inventory)
+    with held(fleet_path):
+        old = read_lock(path)
+        new = updated(old, fleet, fleet_path, fresh)
+        written = old is None or dumps(new) != dumps(old)
+        if written:
+            write_atomic(path, dumps(new))
+    return LockOutcome(path, new, written, changes(old, new))

@@ -46,9 +46,9 @@ An engine pack the catalog pins no sha256 for is locked with the sha256 its mirr
 (the file the box checks the pack against), so a changed SHA256SUMS is a difference too.
 
 Layout of this module: the model, then pure build/compare functions, then reading and writing the file
-(``read_lock``, ``record``: a read-modify-write under a flock on the fleet file), then the stages that probe and
-plan boxes for it (``fresh_entries``, ``check_locked``, ``lock_fleet``), which reuse
-``controller.fleetrun.probe_and_plan``. ``controller status`` compares a box against ``read_lock(...)
+(``read_lock``, ``record``: a read-modify-write under a flock on the fleet file). The stages that probe and
+plan boxes for it (``fresh_entries``, ``check_locked``, ``lock_fleet``) live in ``controller.fleetrun``, beside
+``probe_and_plan``, so this module stays below everything that reads it. ``controller status`` compares a box against ``read_lock(...)
 .boxes[name]`` (``BoxLock``).
 """
 
@@ -61,7 +61,6 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -421,85 +420,6 @@ def sha256_from_sums(url: str, file: str, timeout: float = 30.0) -> str:
         raise LockError(f"{url} lists no sha256 for {file}: fix the mirror's SHA256SUMS, or pin the pack's sha256 "
                         "in a catalog file")
     return digest
-
-
-def fresh_entries(fleet: Fleet, names: list[str], inventory: Path) -> dict[str, BoxLock]:
-    """Probe and plan ``names`` concurrently (as provisioning would) and build their entries; the first failure
-    is raised, so nothing is written from half a fleet."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from controller.fleetrun import PROBE_WORKERS, check_selection, probe_and_plan
-    from controller.provision import add_gateway
-
-    catalog = check_selection(fleet, names)
-    with ThreadPoolExecutor(max_workers=max(1, min(PROBE_WORKERS, len(names))), thread_name_prefix="lock") as pool:
-        planned = list(pool.map(lambda name: probe_and_plan(fleet.boxes[name], catalog, inventory), names))
-    entries = {}
-    for item in planned:
-        add_gateway(fleet, item.box, item.plan, inventory)  # over the rendered plans of the boxes it routes to
-        entries[item.box.name] = entry_for(item.box, item.profile, item.plan)
-    return entries
-
-
-def _require(path: Path, fleet_path: Path) -> Lock:
-    lock = read_lock(path)
-    if lock is None:
-        raise LockError(f"{fleet_path} has no lock ({path}): run `controller lock --fleet {fleet_path}` "
-                        "(or provision without --locked) to write one")
-    return lock
-
-
-def check_locked(fleet: Fleet, fleet_path: Path, names: list[str], inventory: Path, path: Path | None = None,
-                 ) -> Lock:
-    """For ``provision --locked``: plan ``names`` afresh and refuse, before anything is rendered or run on any box,
-    whatever differs from the lock."""
-    path = path or lock_path(fleet_path)
-    lock = _require(path, fleet_path)
-    check_fleet(lock, fleet, fleet_path, path)
-    for name in names:
-        fleet.box(name)
-        if name not in lock.boxes:
-            raise LockError(f"box {name} is not in {path}: run `controller lock --fleet {fleet_path} --update` "
-                            "(or provision it without --locked) to add it")
-    for name, entry in fresh_entries(fleet, names, inventory).items():
-        check_box(lock, name, entry, fleet_path, path)
-    return lock
-
-
-@dataclass
-class LockOutcome:
-    path: Path
-    lock: Lock
-    written: bool
-    changes: list[str]  # what the update changed, or (without --update) how the fleet now differs
-
-
-def lock_fleet(fleet: Fleet, fleet_path: Path, inventory: Path, names: list[str] | None = None,
-               update: bool = False, path: Path | None = None) -> LockOutcome:
-    """``controller lock``: write the lock when there is none; with ``update``, refresh ``names`` (default: every
-    box) and drop the boxes the fleet no longer names; without it, compare and write nothing."""
-    path = path or lock_path(fleet_path)
-    names = list(names) if names else sorted(fleet.boxes)
-    for name in names:
-        fleet.box(name)
-    existing = read_lock(path)
-    if existing is not None and not update:
-        check_fleet(existing, fleet, fleet_path, path)
-        fresh = fresh_entries(fleet, names, inventory)
-        found = [f"{name}: not in the lock" for name in names if name not in existing.boxes]
-        found += [f"{name}: {line}" for name in names if name in existing.boxes
-                  for line in differences(existing.boxes[name], fresh[name])]
-        return LockOutcome(path, existing, False, found)
-    if existing is not None:
-        check_fleet_file(existing, fleet, fleet_path, path)
-    fresh = fresh_entries(fleet, names, inventory)
-    with held(fleet_path):
-        old = read_lock(path)
-        new = updated(old, fleet, fleet_path, fresh)
-        written = old is None or dumps(new) != dumps(old)
-        if written:
-            write_atomic(path, dumps(new))
-    return LockOutcome(path, new, written, changes(old, new))
 
 
 def record_rendered(fleet: Fleet, fleet_path: Path, inventory: Path, names: list[str], path: Path | None = None,

@@ -25,10 +25,10 @@ from typing import Any
 import yaml
 
 from controller.clients import role_services
-from controller.errors import CatalogError, FleetError, PlanError
+from controller.errors import CatalogError, PlanError
 from controller.facts import driver_window, is_v100
 from controller.files import write_atomic
-from controller.fleet import Box, Fleet
+from controller.fleet import Box, Fleet, check_api_key
 from controller.profile import HardwareProfile
 from controller.serveplan import Download, DriverPlan, GatewayPlan, ServePlan
 from controller.transports.known_hosts import known_hosts_file
@@ -366,20 +366,6 @@ def check_exposure(box: Box, merged: dict[str, Any]) -> None:
         raise PlanError(f"box {box.name}: its servers would bind {bind}, which other machines can reach; list the "
                         f"networks that may connect in allow_from in the fleet file (e.g. [192.168.1.0/24]), "
                         f"or bind 127.0.0.1")
-
-
-# The servers read the key as one line of a key file and compare it byte for byte with the header a
-# client sends; HTTP drops spaces around header values and upstream skips key lines starting with "#".
-# The same rule is checked by roles/llama_service (preflight) for hand-written inventories.
-API_KEY_RULE = re.compile(r"[!-~]{16,256}")
-
-
-def check_api_key(key: str, what: str) -> str:
-    if not API_KEY_RULE.fullmatch(key) or key.startswith("#"):
-        raise FleetError(f"{what}: use 16 to 256 printable ASCII characters with no spaces (letters, digits, "
-                         f"punctuation; not starting with #); the key given has {len(key)} characters"
-                         + ("" if API_KEY_RULE.fullmatch(key) else " and some outside that set"))
-    return key
 
 
 def secrets_for(box: Box, fleet: Fleet | None = None) -> dict[str, Any]:

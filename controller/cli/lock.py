@@ -27,7 +27,7 @@ def lock(boxes: tuple[str, ...], fleet_path: Path, inventory: Path | None, updat
     With a lock already there, compare and write nothing (exit 7 when the boxes would differ); --update
     writes what they plan to now, and drops the boxes the fleet no longer names.
     """
-    from controller.lock import lock_fleet
+    from controller.fleetrun import lock_fleet
 
     outcome = lock_fleet(load(fleet_path), fleet_path, inventory_for(fleet_path, inventory), list(boxes), update)
     current = outcome.written or not outcome.changes
@@ -47,7 +47,8 @@ def lock(boxes: tuple[str, ...], fleet_path: Path, inventory: Path | None, updat
 def guard(fleet: Fleet, fleet_path: Path, names: list[str], inventory: Path, locked: bool) -> None:
     """Before ``provision`` touches any box: with --locked, refuse whatever differs from the lock; without it,
     refuse only a lock that belongs to another fleet file (provisioning will write into it)."""
-    from controller.lock import check_fleet_file, check_locked, lock_path, read_lock
+    from controller.fleetrun import check_locked
+    from controller.lock import check_fleet_file, lock_path, read_lock
 
     if locked:
         check_locked(fleet, fleet_path, names, inventory)

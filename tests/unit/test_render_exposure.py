@@ -7,8 +7,8 @@ import pytest
 
 from controller.catalog import load_catalog
 from controller.errors import FleetError, PlanError
-from controller.fleet import parse_fleet
-from controller.render import check_api_key, secrets_for
+from controller.fleet import check_api_key, parse_fleet
+from controller.render import secrets_for
 from tests.unit.tiny_box import tiny_box_vars, tiny_catalog_file
 
 SHA = "cd" * 32
