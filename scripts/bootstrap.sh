@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install what the controller, its lab and its tests need on a Debian 12 machine, idempotently:
-# Debian packages (podman and debootstrap for the systemd target, a compiler for the CPU engine),
+# Debian packages (podman and debootstrap for the systemd target, a compiler for the CPU engine, npm for
+# the Claude Code client of the tests),
 # then a virtual environment in .venv with the locked dependencies and the project installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,6 +11,8 @@ missing=()
 for package in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" || missing+=("$package")
 done
+# npm installs the pinned Claude Code client the tests run; a Node that brings its own npm is kept as it is.
+command -v npm >/dev/null || missing+=(npm)
 if ((${#missing[@]})); then
   if [[ $(id -u) -ne 0 ]]; then sudo=sudo; else sudo=; fi
   echo "bootstrap: installing ${missing[*]}"

@@ -82,7 +82,9 @@ def test_a_provisioned_box_is_healthy_without_drift(fleet_file):
 def test_hand_edits_are_drift_with_their_fix_and_status_changes_nothing(fleet_file, systemd_target):
     systemd_target.exec(f"sed -i 's/^RestartSec=5$/RestartSec=9/' {UNIT} && systemctl daemon-reload && "
                         "systemctl disable --now llama-tiny-llama.service")
-    systemd_target.exec(f"cp -p {MODEL} /tmp/copy.gguf && mv /tmp/copy.gguf {MODEL}")  # same bytes, another file
+    # Same bytes, another file written now. (A copy that keeps the mtime could even get the old inode number
+    # back once the original is unlinked: the install record could not tell it apart, and nor need it.)
+    systemd_target.exec(f"cp {MODEL} {MODEL}.new && mv {MODEL}.new {MODEL}")
     current = systemd_target.exec("readlink /opt/llama/cpu/current").strip()
     systemd_target.exec(f"cp -a /opt/llama/cpu/{current} /opt/llama/cpu/0000000 && "
                         "ln -sfn 0000000 /opt/llama/cpu/current")

@@ -5,7 +5,7 @@ V100BOX_LAB_URL (the lab site: engine pack, SHA256SUMS, tiny model, a source tar
 V100BOX_PACK_SHA256 (the engine pack's sha256, pinned because V100BOX_LAB_URL is plain HTTP),
 V100BOX_TOKEN_URL and V100BOX_LAB_TOKEN (the site over HTTPS behind a bearer token) with V100BOX_LAB_CA (its
 throwaway certificate, which a prepare playbook copies into the target),
-V100BOX_MODEL_SHA256 / V100BOX_MODEL_SIZE, V100BOX_SOURCE_SHA256, V100BOX_TEST_PORT,
+V100BOX_MODEL_PATH / V100BOX_MODEL_SHA256 / V100BOX_MODEL_SIZE, V100BOX_SOURCE_SHA256, V100BOX_TEST_PORT,
 V100BOX_APT_URL (the stand-in NVIDIA driver repository, `python -m lab.aptrepo build DIR`),
 V100BOX_DRIVER_WINDOW (controller.facts.driver_window() as JSON: the roles take the window from the inventory) and
 V100BOX_TARGET_IMAGE. To run one by hand, serve a site with `python -m lab.fileserver` and export
@@ -102,6 +102,7 @@ def scenario_env(lab_site, target_image):
             "V100BOX_PACK_SHA256": sha256_file(root / "engines" / PACK_NAME),
             "V100BOX_TOKEN_URL": token_server.url,
             "V100BOX_LAB_TOKEN": TOKEN,
+            "V100BOX_MODEL_PATH": f"{model['repo']}/{model['file']}",  # the demo model, below the site's root
             "V100BOX_MODEL_SHA256": model["sha256"],
             "V100BOX_MODEL_SIZE": str(model["size_bytes"]),
             "V100BOX_SOURCE_SHA256": sha256_file(source),

@@ -212,14 +212,16 @@ def test_a_host_key_given_in_the_fleet_is_the_only_one_accepted(systemd_target: 
     wrong = " ".join(other.with_suffix(".pub").read_text().split()[:2])
     address = {"address": systemd_target.host, "port": systemd_target.ssh_port, "user": "root",
                "key": str(systemd_target.key)}
-    fleet = tmp_path / "fleet.yml"
-    fleet.write_text(yaml.safe_dump({"boxes": {"good": {**address, "host_key": real},
-                                               "bad": {**address, "host_key": wrong}}}))
+    # One machine, two fleet files (a fleet refuses two boxes at one address): one pins a wrong key.
+    fleets = {}
+    for name, key in (("good", real), ("bad", wrong)):
+        fleets[name] = tmp_path / f"{name}.yml"
+        fleets[name].write_text(yaml.safe_dump({"boxes": {name: {**address, "host_key": key}}}))
     inventory = tmp_path / "inventory"
     known = inventory / "known_hosts"
     with pytest.raises(TransportError, match="host key refused: the box presents .* but host_key in the fleet file"):
-        probe_box(load_fleet(fleet).box("bad"), known_hosts=known)
-    probe_box(load_fleet(fleet).box("good"), known_hosts=known)
+        probe_box(load_fleet(fleets["bad"]).box("bad"), known_hosts=known)
+    probe_box(load_fleet(fleets["good"]).box("good"), known_hosts=known)
     assert known.read_text() == f"[127.0.0.1]:{systemd_target.ssh_port} {real}\n"  # for Ansible too
     play = ansible_inventory(inventory, systemd_target, "good")
     assert run_playbook(str(play), inventory=inventory).status == "successful"
