@@ -4,7 +4,7 @@
 #   requirements-pip.lock  the pip the bootstrap installs before anything else
 # Versions already in a lock are kept (a dependency added to pyproject.toml is resolved and pinned);
 # `scripts/lock.sh --upgrade` moves every pin to the newest release pyproject.toml allows. Hashes are taken
-# from pypi.org only, whatever pip or uv configuration this machine has. Commit both files.
+# from the public Python package index only, whatever pip or uv configuration this machine has. Commit both files.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
