@@ -25,6 +25,7 @@ import httpx
 import pytest
 import yaml
 
+from controller.clients import max_output_tokens
 from lab import haproxy, tinymodels
 from lab.claude_code import claude_binary, claude_env
 from lab.fileserver import FileServer
@@ -251,7 +252,9 @@ def test_claude_code_completes_a_turn_through_the_gateway(gateway, box, tmp_path
         "ANTHROPIC_BASE_URL": gateway, "ANTHROPIC_AUTH_TOKEN": GATEWAY_KEY, "ANTHROPIC_MODEL": model,
         "ANTHROPIC_SMALL_FAST_MODEL": model, "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
         "ANTHROPIC_DEFAULT_SONNET_MODEL": model, "ANTHROPIC_DEFAULT_OPUS_MODEL": model,
-        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64",
+        # What `controller clients` gives a 32k service: a tiny random model ends its replies at a random
+        # point, so a small cap (64 was tried) fails the turn with Claude Code's max_output_tokens error.
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(max_output_tokens(32768)),
     }, home=tmp_path)
     since = box.exec("date '+%Y-%m-%d %H:%M:%S'").strip()
     done = subprocess.run([str(claude_binary()), "-p", "Say hello.", "--output-format", "json"], env=env,
@@ -259,7 +262,12 @@ def test_claude_code_completes_a_turn_through_the_gateway(gateway, box, tmp_path
     result = json.loads(done.stdout)
     assert result["is_error"] is False and result["terminal_reason"] == "completed", done.stdout[-2000:]
     assert list(result["modelUsage"]) == [model]
-    journal = box.exec(f"journalctl -u llm-gateway.service --no-pager -o cat --since '{since}'")
+    deadline = time.monotonic() + 15  # HAProxy logs to its stdout: journald may take a moment to have the line
+    while True:
+        journal = box.exec(f"journalctl -u llm-gateway.service --no-pager -o cat --since '{since}'")
+        if re.search(r"route_1/gw .* 200 .*\"POST /v1/messages", journal) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert re.search(r"route_1/gw .* 200 .*\"POST /v1/messages", journal), journal[-2000:]
 
 
