@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import (
@@ -93,6 +93,26 @@ class DraftPairing(_Strict):
     source: OneLine  # where the figure was measured
 
 
+Rate = Annotated[float, Field(gt=0)]
+
+
+class ThroughputBand(_Strict):
+    """What a model is expected to do on some hardware: ``controller certify`` fails a service whose measured
+    rate is below the band's minimum. A band applies to a service on ``gpus`` cards (0: the CPU), with or
+    without experts offloaded to the CPU, split across cards or not, on the named driver model (None: a native
+    Linux or TCC box); the first band that matches is used. ``source`` says where the figures come from."""
+
+    hardware: OneLine  # what a person reads, e.g. "one V100 32 GB, native Windows (TCC)"
+    gpus: int = Field(ge=0)
+    offload: bool = False  # experts offloaded to CPU RAM (the service's cpu_offload)
+    split: Literal["none", "layer", "tensor"] = "none"
+    driver_model: Literal["TCC", "MCDM", "WDDM"] | None = None
+    reference_gen_tok_s: Rate | None = None  # the measured figure the band is built around
+    gen_tok_s: tuple[Rate, Rate | None]  # minimum (below it the check fails) and maximum (None: no maximum)
+    prompt_tok_s: tuple[Rate, Rate | None] | None = None
+    source: OneLine
+
+
 class ModelEntry(_Strict):
     id: Name
     name: OneLine
@@ -121,6 +141,10 @@ class ModelEntry(_Strict):
     kv_bytes_per_token: dict[str, int] = Field(default_factory=dict)
     tokenizer: TokenizerFacts | None = None  # what a draft pairing compares when no GGUF header is read
     drafts: list[DraftPairing] = Field(default_factory=list)  # recommended draft models, best first
+    throughput: list[ThroughputBand] = Field(default_factory=list)  # expected rates, first match wins
+    # The model's chat template makes tool calls (Claude Code and OpenClaw need them); certify's tool-call round
+    # trip is checked only then. False for a model that cannot, such as the lab's tiny random models.
+    tool_calls: bool = True
 
     @model_validator(mode="after")
     def _shape_is_complete(self) -> ModelEntry:

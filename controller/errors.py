@@ -59,3 +59,8 @@ class LockError(ControllerError, exit_code=7):
 
 class FleetRunError(ControllerError, exit_code=8):
     """A run over several boxes finished, and some of them failed or were unreachable (the summary names them)."""
+
+
+class SealRefused(ControllerError, exit_code=10):
+    """``controller seal`` will not seal this box: it has no passed certification (the line says what to run), or
+    it is one seal cannot hand over yet (a Windows box, a box running a gateway)."""

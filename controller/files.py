@@ -11,14 +11,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
-def write_atomic(path: Path, data: str | bytes) -> None:
-    """Replace ``path`` atomically (a temporary file beside it, then a rename), creating its folder."""
+def write_atomic(path: Path, data: str | bytes, *, private: bool = False) -> None:
+    """Replace ``path`` atomically (a temporary file beside it, then a rename), creating its folder.
+
+    ``private``: the file stays owner-only (0600) from its first byte, for files that hold secrets."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data.encode() if isinstance(data, str) else data)
-        os.chmod(tmp, 0o666 & ~_umask())  # the mode an ordinary write would give, not mkstemp's 0600
+        if not private:
+            os.chmod(tmp, 0o666 & ~_umask())  # the mode an ordinary write would give, not mkstemp's 0600
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

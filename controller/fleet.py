@@ -31,6 +31,7 @@ import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -269,6 +270,75 @@ class GatewaySettings(_Strict):
     boxes: list[str] = Field(default_factory=list)
 
 
+SSH_PUBLIC_KEY = re.compile(r"(?:ssh-(?:ed25519|rsa|dss)|ecdsa-sha2-nistp(?:256|384|521)|sk-ssh-ed25519@openssh\.com"
+                            r"|sk-ecdsa-sha2-nistp256@openssh\.com) [A-Za-z0-9+/]+={0,3}(?: [^\n\r]*)?")
+
+
+class SealSettings(_Strict):
+    """What ``controller seal`` leaves on the box for its buyer."""
+
+    # The buyer's SSH public keys ("ssh-ed25519 AAAA... comment"): they replace the builder's in the authorized_keys
+    # of root and of the connection user. Empty: no key is left; the buyer logs in at the console first.
+    buyer_authorized_keys: list[str] = Field(default_factory=list)
+
+    @field_validator("buyer_authorized_keys")
+    @classmethod
+    def _public_keys(cls, value: list[str]) -> list[str]:
+        for key in value:
+            if not SSH_PUBLIC_KEY.fullmatch(key.strip()):
+                shown = key.strip()[:40]
+                raise ValueError(f"{shown!r} is not an SSH public key line: give one line of a .pub file, "
+                                 "e.g. 'ssh-ed25519 AAAA... buyer@laptop'")
+        return [key.strip() for key in value]
+
+
+class ThermalSettings(_Strict):
+    """The box's thermal guard (roles/thermal_guard): warn, stop the llama services, start them again when cooled."""
+
+    guard: bool | None = None  # unset: a guard on a box whose plan puts a service on a GPU
+    warn_c: int = Field(default=80, ge=40, le=110)
+    stop_c: int = Field(default=85, ge=40, le=110)
+    resume_c: int = Field(default=75, ge=30, le=110)
+    memory_warn_c: int = Field(default=85, ge=40, le=110)  # HBM, where the driver reports temperature.memory
+    memory_stop_c: int = Field(default=90, ge=40, le=110)
+    interval_s: float = Field(default=5, gt=0, le=300)
+    max_restarts: int = Field(default=3, ge=0, le=100)  # starts again within a rolling hour; then they stay stopped
+
+    @model_validator(mode="after")
+    def _levels_in_order(self) -> ThermalSettings:
+        if self.stop_c <= self.warn_c:
+            raise ValueError(f"stop_c {self.stop_c} must be above warn_c {self.warn_c} (the services stop after the "
+                             f"warning); raise stop_c or lower warn_c")
+        if self.resume_c >= self.warn_c:
+            raise ValueError(f"resume_c {self.resume_c} must be below warn_c {self.warn_c} (the services start again "
+                             f"once cooled below the warning); lower resume_c")
+        if self.memory_stop_c <= self.memory_warn_c:
+            raise ValueError(f"memory_stop_c {self.memory_stop_c} must be above memory_warn_c {self.memory_warn_c}; "
+                             f"raise memory_stop_c or lower memory_warn_c")
+        return self
+
+
+def _power_limit(value: Any) -> Any:
+    """One number of watts, or {gpu_index: watts}: checked here so that a wrong value is one line."""
+    def watts(item: Any, where: str) -> int:
+        if isinstance(item, bool) or not isinstance(item, int) or not 1 <= item <= 1000:
+            raise ValueError(f"{where}{item!r} is not a power limit: give whole watts from 1 to 1000 (the card's own "
+                             f"range is checked on the box)")
+        return item
+
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        limits = {}
+        for gpu, item in value.items():
+            index = int(gpu) if isinstance(gpu, str) and gpu.isdigit() else gpu
+            if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+                raise ValueError(f"GPU {gpu!r} is not a GPU index: give {{index: watts}}, e.g. {{0: 150, 1: 150}}")
+            limits[index] = watts(item, f"GPU {index}: ")
+        return limits
+    return watts(value, "")
+
+
 class Connection(_Strict):
     """How the controller reaches a machine of the fleet (a box or a workstation): one set of fields for both."""
 
@@ -308,6 +378,11 @@ class Box(Connection):
     mirror: Mirror = Field(default_factory=Mirror)
     driver: DriverSettings = Field(default_factory=DriverSettings)
     gateway: GatewaySettings | None = None  # run a gateway on this box (Linux)
+    thermal: ThermalSettings = Field(default_factory=ThermalSettings)
+    # GPU power limits in watts (Linux): one for every GPU, or {gpu_index: watts}; checked against each card's
+    # range on the box before anything is set.
+    power_limit_w: Annotated[int | dict[int, int] | None, BeforeValidator(_power_limit)] = None
+    seal: SealSettings = Field(default_factory=SealSettings)  # what `controller seal` leaves for the buyer
     vars: dict[str, Any] = Field(default_factory=dict)  # extra Ansible variables for this box
 
     @model_validator(mode="after")
@@ -340,6 +415,15 @@ class Box(Connection):
         if self.os == "windows" and self.model_dir and not re.match(r"^[A-Za-z]:[\\/]", self.model_dir):
             raise ValueError(f"model_dir {self.model_dir}: on Windows give a local drive path such as "
                              "D:\\llama\\models (models must sit on a local NTFS volume)")
+        return self
+
+    @model_validator(mode="after")
+    def _power_limits_on_linux(self) -> Box:
+        if self.power_limit_w is not None and self.os == "windows":
+            raise ValueError("power_limit_w: power limits are applied by a Linux boot unit; remove it from this "
+                             "Windows box")
+        if self.power_limit_w == {}:
+            self.power_limit_w = None
         return self
 
     @model_validator(mode="after")

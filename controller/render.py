@@ -297,6 +297,7 @@ def host_vars(box: Box, profile: HardwareProfile, plan: ServePlan | None, driver
         "llama_service_template_dir": plan.template_dir,
         "agent_clients_services": role_services(box, plan),
         "llama_verify_nccl": uses_nccl(plan),
+        **thermal_vars(box, plan),
     }
     archs = sorted({arch for engine in plan.engines for arch in engine.cuda_archs})
     if archs:  # a source build (llama_engine_source) targets the architectures of the plan's GPU builds
@@ -308,6 +309,31 @@ def host_vars(box: Box, profile: HardwareProfile, plan: ServePlan | None, driver
     merged |= box.vars
     check_exposure(box, merged)
     return merged
+
+
+def thermal_vars(box: Box, plan: ServePlan) -> dict[str, Any]:
+    """roles/thermal_guard's inputs: the guard (unset in the fleet: on when a service runs on a GPU) and power limits.
+
+    The guard manages the plan's llama services by their service names; the card's power range is checked on the box.
+    """
+    thermal = box.thermal
+    guard = thermal.guard if thermal.guard is not None else any(service.gpus for service in plan.services)
+    out: dict[str, Any] = {"thermal_guard_enabled": guard}
+    if guard:
+        suffix = "" if box.os == "windows" else ".service"
+        out |= {
+            "thermal_guard_services": [f"{service.name}{suffix}" for service in plan.services],
+            "thermal_guard_warn_c": thermal.warn_c,
+            "thermal_guard_stop_c": thermal.stop_c,
+            "thermal_guard_resume_c": thermal.resume_c,
+            "thermal_guard_memory_warn_c": thermal.memory_warn_c,
+            "thermal_guard_memory_stop_c": thermal.memory_stop_c,
+            "thermal_guard_interval_s": thermal.interval_s,
+            "thermal_guard_max_restarts": thermal.max_restarts,
+        }
+    if box.power_limit_w is not None:
+        out["thermal_guard_power_limit_w"] = box.power_limit_w
+    return out
 
 
 def gateway_vars(gateway: GatewayPlan | None) -> dict[str, Any]:

@@ -38,12 +38,32 @@ class LabModel:
     arch: str
     file_type: str = "q8_0"
     n_ctx_train: int = 4096
+    # The GGUF's own chat template (None: tinymodels' default, which offers no tools). A random model calls a
+    # tool only under tinymodels.TOOL_CALL_TEMPLATE, so only such a model says tool_calls in the catalog.
+    chat_template: str | None = None
 
 
 # Trained (in its header) for 128k tokens, so the demo box can plan the 64k Claude Code and OpenClaw
 # need; at this size 64k of f16 KV is 16 MiB. The file name carries the context: a cached site
 # written before keeps its old file under the old name.
 DEMO_MODELS = (LabModel("tiny-llama", "tiny-llama-128k-q8_0.gguf", "llama", n_ctx_train=131072),)
+# What `controller certify` serves when its tool-call round trip must run for real (tests/integration).
+TOOLS_MODEL = LabModel("tiny-llama-tools", "tiny-llama-tools-q8_0.gguf", "llama",
+                       chat_template=tinymodels.TOOL_CALL_TEMPLATE)
+SITE_MODELS = (*DEMO_MODELS, TOOLS_MODEL)
+
+
+# What `controller certify` expects of a lab model served on the CPU engine in a lab container. Measured on this
+# 2-core lab machine with the server's own timings on certify's fixed prompt (64 generated tokens, single
+# stream): medians of ~2000 tok/s generation on the host, lower in a container while other tests run. The
+# minimum leaves room for a busy CI machine; a box under it is broken, not slow.
+DEMO_BAND = {
+    "hardware": "the lab's CPU engine in a container on a 2-core machine",
+    "gpus": 0,
+    "reference_gen_tok_s": 2000,
+    "gen_tok_s": [100, None],
+    "source": "measured on the lab machine, 2026-11-24: median 2042 tok/s generation over 5 runs of the fixed prompt",
+}
 
 
 def _shape(path: Path) -> dict:
@@ -90,7 +110,7 @@ def pinned_engine(pack: Path) -> dict[str, dict]:
     return {LAB_ENGINE: body}
 
 
-def build_site(root: Path, models: tuple[LabModel, ...] = DEMO_MODELS) -> Path:
+def build_site(root: Path, models: tuple[LabModel, ...] = SITE_MODELS) -> Path:
     """Fill ``root`` with the engine pack and the models; returns the catalog file."""
     engines = root / "engines"
     pack = engines / PACK_NAME
@@ -104,7 +124,8 @@ def build_site(root: Path, models: tuple[LabModel, ...] = DEMO_MODELS) -> Path:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.tmp")
             tinymodels.write_model(tmp, model.arch, file_type=model.file_type, name=model.id,
-                                   n_ctx_train=model.n_ctx_train)
+                                   n_ctx_train=model.n_ctx_train,
+                                   **({"chat_template": model.chat_template} if model.chat_template else {}))
             os.replace(tmp, path)
         entries[model.id] = {
             "name": f"Generated {model.arch} test model ({model.file_type})",
@@ -114,6 +135,8 @@ def build_site(root: Path, models: tuple[LabModel, ...] = DEMO_MODELS) -> Path:
             "sha256": sha256_file(path),
             "engine": "upstream",
             "file_type": model.file_type,
+            "throughput": [DEMO_BAND],
+            "tool_calls": model.chat_template == tinymodels.TOOL_CALL_TEMPLATE,
             **_shape(path),
         }
     catalog = root / "catalog.yml"

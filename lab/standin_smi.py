@@ -8,6 +8,13 @@ container that answers each argument form the probe uses with a captured output:
     nvidia-smi                               -> nvidia-smi.txt
     nvidia-smi topo -m                       -> nvidia-smi-topo.txt
     nvidia-smi nvlink -s                     -> nvidia-smi-nvlink.txt
+    nvidia-smi --query-gpu=SAMPLE_QUERY --format=csv,noheader,nounits  -> nvidia-smi-sample.csv
+    nvidia-smi --query-gpu=POWER_QUERY --format=csv,noheader,nounits   -> nvidia-smi-power.csv
+    nvidia-smi -pm 1, nvidia-smi -i N -pl W  -> succeed (logged only)
+
+The last forms serve the thermal guard, the power limits (roles/thermal_guard) and the burn-in: a test
+rewrites the sample with :func:`set_sample` to set the temperatures the box reports, and the card's power
+range with :func:`set_power_range`.
 
 A form whose capture is missing fails like a broken tool (message on stderr, exit 9), so a machine
 captured with the default table only probes as "GPUs from the table". Each call's arguments are
@@ -30,6 +37,17 @@ CALL_LOG = "/var/log/v100box-standin-smi.calls"
 SMI_FILES = ("nvidia-smi-query.csv", "nvidia-smi.txt", "nvidia-smi-topo.txt", "nvidia-smi-nvlink.txt")
 """The captured outputs the stand-in can print, named as in the ``--from-dir`` contract."""
 
+SAMPLE_QUERY = ("index,uuid,temperature.gpu,temperature.memory,power.draw,power.limit,clocks.sm,clocks.mem,"
+                "clocks_throttle_reasons.active")
+"""The fields the thermal guard and the burn-in sample each GPU with (--format=csv,noheader,nounits)."""
+POWER_QUERY = "index,power.min_limit,power.max_limit,power.default_limit"
+"""The fields a power limit is checked against (--format=csv,noheader,nounits)."""
+SAMPLE_FILE = "nvidia-smi-sample.csv"
+POWER_FILE = "nvidia-smi-power.csv"
+READING_FILES = (SAMPLE_FILE, POWER_FILE)
+"""Not captures of a machine: the readings a test sets (:func:`set_sample`, :func:`set_power_range`)."""
+_CSV_FORMAT = "--format=csv,noheader,nounits"
+
 
 class _Box(Protocol):
     """What the stand-in needs from a target: run a command inside it (see lab.target.Target)."""
@@ -49,8 +67,13 @@ def standin_script(capture_dir: str = CAPTURE_DIR, call_log: str = CALL_LOG) -> 
     return "\n".join([
         "#!/bin/sh",
         "# v100-llm-box lab stand-in: prints captured nvidia-smi outputs (lab.standin_smi).",
-        f'printf \'%s\\n\' "$*" >> {log}',
+        # A sandboxed caller (the thermal guard's unit) cannot write the log: its calls go unlogged, not failed.
+        f'{{ printf \'%s\\n\' "$*" >> {log}; }} 2>/dev/null',
         'case "$*" in',
+        f"  '--query-gpu={SAMPLE_QUERY} {_CSV_FORMAT}') {answer(SAMPLE_FILE)} ;;",
+        f"  '--query-gpu={POWER_QUERY} {_CSV_FORMAT}') {answer(POWER_FILE)} ;;",
+        "  '-pm 1') echo 'Persistence mode is already Enabled for GPU 00000000:00:00.0.' ;;",
+        "  '-i '[0-9]*' -pl '[0-9]*) echo \"Power limit for GPU $2 was set to $4 W (stand-in).\" ;;",
         f"  --query-gpu=*' --format=csv') {answer('nvidia-smi-query.csv')} ;;",
         f"  '') {answer('nvidia-smi.txt')} ;;",
         f"  'topo -m') {answer('nvidia-smi-topo.txt')} ;;",
@@ -68,14 +91,51 @@ def captures_from_dir(folder: Path) -> dict[str, str]:
 
 def install(box: _Box, captures: Mapping[str, str]) -> None:
     """Install the stand-in with these captures, replacing any earlier ones, and clear the call log."""
-    unknown = set(captures) - set(SMI_FILES)
+    unknown = set(captures) - set(SMI_FILES) - set(READING_FILES)
     if unknown:
-        raise ValueError(f"not nvidia-smi captures: {', '.join(sorted(unknown))} (expected some of {SMI_FILES})")
+        raise ValueError(f"not nvidia-smi captures: {', '.join(sorted(unknown))} "
+                         f"(expected some of {SMI_FILES + READING_FILES})")
     folder = shlex.quote(CAPTURE_DIR)
     box.exec(f"rm -rf {folder} && mkdir -p {folder} && : > {shlex.quote(CALL_LOG)}")
     for name, text in captures.items():
         box.exec(f"cat > {folder}/{name}", input=text)
     box.exec(f"cat > {STANDIN_PATH} && chmod 755 {STANDIN_PATH}", input=standin_script())
+
+
+def _csv(rows: list[Mapping[str, object]], fields: str) -> str:
+    names = fields.split(",")
+    unknown = sorted({key for row in rows for key in row} - set(names))
+    if unknown:
+        raise ValueError(f"not fields of {fields}: {', '.join(unknown)}")
+    return "".join(", ".join("[N/A]" if row.get(name) is None else str(row[name]) for name in names) + "\n"
+                   for row in rows)
+
+
+def sample_csv(rows: list[Mapping[str, object]]) -> str:
+    """What nvidia-smi prints for SAMPLE_QUERY: one line per GPU, a field left out or None as "[N/A]"."""
+    return _csv(rows, SAMPLE_QUERY)
+
+
+def power_csv(rows: list[Mapping[str, object]]) -> str:
+    """What nvidia-smi prints for POWER_QUERY (index, power.min_limit, power.max_limit, power.default_limit)."""
+    return _csv(rows, POWER_QUERY)
+
+
+def _write(box: _Box, name: str, text: str) -> None:
+    folder = shlex.quote(CAPTURE_DIR)
+    # written beside and renamed: a reader never sees half a file
+    box.exec(f"mkdir -p {folder} && cat > {folder}/{name}.new && mv -f {folder}/{name}.new {folder}/{name}",
+             input=text)
+
+
+def set_sample(box: _Box, rows: list[Mapping[str, object]]) -> None:
+    """Set what the stand-in reports for SAMPLE_QUERY, e.g. ``[{"index": 0, "temperature.gpu": 86}]``."""
+    _write(box, SAMPLE_FILE, sample_csv(rows))
+
+
+def set_power_range(box: _Box, rows: list[Mapping[str, object]]) -> None:
+    """Set what the stand-in reports for POWER_QUERY, e.g. ``[{"index": 0, "power.min_limit": 100, ...}]``."""
+    _write(box, POWER_FILE, power_csv(rows))
 
 
 def calls(box: _Box) -> list[str]:

@@ -347,6 +347,27 @@ def _byte_shape(spec: TensorSpec) -> tuple[int, ...]:
     return (*spec.shape[:-1], spec.shape[-1] // block * type_size)
 
 
+# A chat template whose tool calls have no start tag (``<function=NAME>{json}</function>`` right after the
+# generation prompt): with tool_choice "any" the server's grammar then forces a tool call even from a random model,
+# so the certification's tool-call round trip runs for real in the lab. Templates that open a call with a tag
+# (Hermes' <tool_call>) let free text come first, which a random model never ends. The cost: with tools offered
+# and tool_choice auto, the engine rejects a plain-text reply, so agent clients (which always send tools) are
+# served the default template instead.
+TOOL_CALL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:\n{%- for tool in tools %}\n{{ tool | tojson }}\n{%- endfor %}\n"
+    "Call a tool as <function=name>{json arguments}</function><|im_end|>\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}<|im_start|>assistant\n{% if message.content %}{{ message.content }}"
+    "{% endif %}{%- if message.tool_calls %}{%- for tool_call in message.tool_calls %}"
+    "<function={{ tool_call.function.name }}>{{ tool_call.function.arguments | tojson }}</function>"
+    "{%- endfor %}{% endif %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}<|im_start|>tool\n{{ message.content }}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 def write_model(
     path: str | Path,
     arch: str = "llama",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install what the controller, its lab and its tests need on a Debian 12 machine, idempotently:
 # Debian packages (podman and debootstrap for the systemd target, a compiler for the CPU engine, npm for
-# the Claude Code client of the tests),
+# the Claude Code client of the tests, Chromium for the certify report's PDF and its browser test),
 # then a virtual environment in .venv with the locked dependencies and the project installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +13,8 @@ for package in "${packages[@]}"; do
 done
 # npm installs the pinned Claude Code client the tests run; a Node that brings its own npm is kept as it is.
 command -v npm >/dev/null || missing+=(npm)
+# Chromium renders the certify report to PDF and opens its HTML page in the tests; any Chromium on PATH will do.
+command -v chromium >/dev/null || command -v chromium-browser >/dev/null || missing+=(chromium)
 if ((${#missing[@]})); then
   if [[ $(id -u) -ne 0 ]]; then sudo=sudo; else sudo=; fi
   echo "bootstrap: installing ${missing[*]}"

@@ -19,8 +19,9 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from controller.cli import clients, demo, estimate, plan, probe, provision, verify
+from controller.cli import certify, clients, demo, estimate, plan, probe, provision, verify
 from controller.cli import lock as lock_command
+from controller.cli import seal as seal_command
 from controller.cli import status as status_command
 from controller.errors import ControllerError
 
@@ -37,10 +38,11 @@ def cli() -> None:
 
 
 for _command in (provision.provision, provision.render, provision.driver, verify.verify, demo.demo,
-                 estimate.estimate, plan.plan, probe.probe, clients.clients):
+                 estimate.estimate, plan.plan, probe.probe, clients.clients, certify.certify):
     cli.add_command(_command)
 cli.add_command(lock_command.lock)
 cli.add_command(status_command.status)
+cli.add_command(seal_command.seal)
 
 
 def log_folder() -> Path:

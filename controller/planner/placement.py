@@ -528,7 +528,7 @@ def place_cpu(entry: ModelEntry, model: MemoryModel, want: WantedModel, ctx: Con
     result = fitting.fit_cpu(model, req, budget)
     if isinstance(result, Miss):
         return _refusal(entry, model, result, None)
-    engine = _engine(ctx.catalog, "upstream", cpu=True)
+    engine = _engine(ctx.catalog, "upstream", cpu=True, preferred=entry.engine)  # a CPU build the fleet names
     idle = "; ".join(f"GPU {gpu.index} {gpu.name}: {why}" for gpu, why in idle_cards(ctx))
     reasons = ["no V100 on this box, nor another card a GPU build of the engine catalog runs on: serving on the CPU "
                "with the CPU engine build" + (f" ({idle})" if idle else ""),

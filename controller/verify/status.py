@@ -288,7 +288,7 @@ def _load_plan(inventory: Path, name: str) -> ServePlan | None:
         return None
 
 
-def _engine_root(inventory: Path, name: str) -> str:
+def rendered_engine_root(inventory: Path, name: str) -> str:
     import yaml
 
     try:
@@ -332,5 +332,5 @@ def run_status(fleet: Fleet, names: Sequence[str], inventory: Path, fleet_path: 
         boxes.append(box_status(box, plans[name], published.get(name), fleet_path=str(fleet_path),
                                 locked=(lock or {}).get(name) if lock is not None else None,
                                 unreachable=unreachable.get(name, ""), failed=failed.get(name, ""),
-                                engine_root=_engine_root(inventory, name)))
+                                engine_root=rendered_engine_root(inventory, name)))
     return boxes

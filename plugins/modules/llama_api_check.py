@@ -13,7 +13,13 @@ description:
   - With I(api_key) set, also sends one chat request without a key and one with a wrong key, and fails
     unless the server refuses both with HTTP 401. The chat endpoints are probed because ik_llama.cpp
     leaves C(/health) and C(/v1/models) open even with a key.
-  - Read-only for the host; chat requests only generate a few tokens.
+  - With I(certify), also makes a tool call round trip through C(/v1/messages) (a tool definition in with
+    C(tool_choice) C(any), a C(tool_use) block out, its C(tool_result) back, a final message), streams one reply
+    through each API to its end, and measures throughput with the server's own C(timings) for a fixed prompt.
+    What these find is returned in C(tool_call), C(streams) and C(throughput), each with a C(detail) sentence;
+    they do not fail the module (C(controller certify) judges them).
+  - Read-only for the host; chat requests only generate a few tokens (the throughput request
+    I(throughput_max_tokens)).
 options:
   base_url:
     description: Address of the server, e.g. C(http://127.0.0.1:8001).
@@ -53,6 +59,23 @@ options:
         with the key, which is what C(controller status) asks of every server on every run.
     type: bool
     default: true
+  certify:
+    description:
+      - Also check a tool call round trip, streaming on both APIs and the throughput (C(controller certify)).
+      - Needs I(chat).
+    type: bool
+    default: false
+  throughput_max_tokens:
+    description:
+      - Tokens generated for the throughput measurement. The server is asked to ignore end-of-sequence
+        (C(ignore_eos)), so it generates exactly this many where it supports that, at temperature 0, on a fixed
+        prompt of 1,062 characters (about 240 tokens with usual tokenizers) that it may not take from its cache.
+    type: int
+    default: 64
+  throughput_runs:
+    description: Throughput requests made; the numbers returned are their medians.
+    type: int
+    default: 3
 author: v100-llm-box
 """
 
@@ -62,6 +85,13 @@ EXAMPLES = r"""
     base_url: http://127.0.0.1:8011
     model: gemma4-26b-a4b-qat-q4_0
     api_key: "{{ llama_service_api_key }}"
+
+- name: Certify the Gemma server (tool call, streams, throughput)
+  llama_api_check:
+    base_url: http://127.0.0.1:8011
+    model: gemma4-26b-a4b-qat-q4_0
+    api_key_file: /etc/llama/keys/gemma.key
+    certify: true
 """
 
 RETURN = r"""
@@ -124,32 +154,166 @@ auth:
     wrong_key_status:
       description: HTTP status of a chat request with a wrong key (must be 401); only when required.
       type: int
+tool_call:
+  description: The tool call round trip through C(/v1/messages) (Anthropic API).
+  type: dict
+  returned: when the server is healthy and I(certify) is true
+  sample: {ok: true, tool_use: true, tool_name: get_time, stop_reason: tool_use, final_stop_reason: end_turn,
+           detail: "get_time was called (stop_reason 'tool_use'); its tool_result came back and the model answered
+           (stop_reason 'end_turn')"}
+  contains:
+    ok:
+      description: Whether a C(tool_use) block came out and the reply to its C(tool_result) was a message.
+      type: bool
+    tool_use:
+      description: Whether the first reply held a C(tool_use) block.
+      type: bool
+    tool_name:
+      description: The tool that block called; null without one.
+      type: str
+    stop_reason:
+      description: The first reply's C(stop_reason) (C(tool_use) when the model called the tool); null without one.
+      type: str
+    final_stop_reason:
+      description: The C(stop_reason) of the reply to the C(tool_result); null without one.
+      type: str
+    detail:
+      description: What happened, in a sentence.
+      type: str
+streams:
+  description: One streamed reply through each API, read to its end.
+  type: dict
+  returned: when the server is healthy and I(certify) is true
+  contains:
+    openai:
+      description:
+        - C(/v1/chat/completions) with C(stream) true. C(ok) (chunks came, then the C([DONE]) event), C(chunks)
+          (data events before it), C(done) (whether C([DONE]) came) and C(detail).
+      type: dict
+    anthropic:
+      description:
+        - C(/v1/messages) with C(stream) true. C(ok) (events came, the last a C(message_stop), no C(error)),
+          C(events) (data events), C(message_stop) (whether it came) and C(detail).
+      type: dict
+throughput:
+  description:
+    - The server's own C(timings) for the fixed prompt (see I(throughput_max_tokens)) through C(/v1/chat/completions),
+      the medians of I(throughput_runs) requests; the numbers are null when the server gave none.
+  type: dict
+  returned: when the server is healthy and I(certify) is true
+  contains:
+    prompt_tokens:
+      description: Prompt tokens the server processed (C(timings.prompt_n)).
+      type: int
+    prompt_per_second:
+      description: Prompt processing speed (C(timings.prompt_per_second)).
+      type: float
+    predicted_tokens:
+      description: Tokens generated (C(timings.predicted_n)).
+      type: int
+    predicted_per_second:
+      description: Generation speed (C(timings.predicted_per_second)).
+      type: float
+    detail:
+      description: What was measured, or why nothing was, in a sentence.
+      type: str
 """
 
 import json
 import secrets
+import time
+from statistics import median
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.six.moves.urllib.error import HTTPError, URLError
 from ansible.module_utils.urls import open_url
 
 TEXT_KEPT = 200
+ANTHROPIC_VERSION = "2023-06-01"
+
+# The certification's tool: an enum keeps its one argument short even from a model that writes at random.
+CERTIFY_TOOL = {
+    "name": "get_time",
+    "description": "The current time in a time zone.",
+    "input_schema": {"type": "object", "properties": {"timezone": {"type": "string", "enum": ["UTC", "Europe/Berlin"]}},
+                     "required": ["timezone"]},
+}
+CERTIFY_TOOL_PROMPT = "What time is it in UTC? Use the get_time tool."
+CERTIFY_TOOL_RESULT = "12:00"
+# Room for the call with its arguments, and for a model that thinks before it calls.
+CERTIFY_TOOL_MAX_TOKENS = 256
+
+# The throughput prompt. Never change it: the catalog's throughput bands were measured with it. About 240 tokens
+# with usual tokenizers; the Windows module (llama_api_check.ps1) sends the same text, and a test compares them.
+THROUGHPUT_PROMPT = (
+    "Summarise the following maintenance note in one sentence. The workshop keeps four machines for its model "
+    "servers. Each machine has two graphics cards joined by a bridge, a processor with sixteen cores, and enough "
+    "memory to hold the largest model twice. Every morning the night shift checks the fans, reads the temperature "
+    "log, and restarts any service that stopped during the night. When a card runs hotter than eighty degrees, the "
+    "service on it is paused until the card cools again, and the pause is written into the log with the time and "
+    "the temperature. Once a week the team runs a fixed benchmark on every machine and compares the speed with the "
+    "figure recorded when the machine was delivered; a machine that is much slower than its figure is taken out of "
+    "service and inspected. The most common causes so far were a fan clogged with dust, a power cable that was not "
+    "fully seated, a card that had been moved into a slower slot, and a driver update that changed the power mode. "
+    "Each cause was fixed within a day, and the speed returned to its delivered figure."
+)
+
+
+def _error_text(exc):
+    """The server's own error message from an HTTP error body, when it sent one."""
+    try:
+        body = json.loads(exc.read() or b"{}")
+    except (ValueError, OSError, AttributeError):
+        return ""
+    error = body.get("error") if isinstance(body, dict) else None
+    message = error.get("message") if isinstance(error, dict) else error
+    return f": {str(message)[:TEXT_KEPT]}" if message else ""
+
+
+def _open(base_url, path, headers, timeout, body):
+    data = None if body is None else json.dumps(body).encode()
+    all_headers = dict(headers, **({"Content-Type": "application/json"} if body is not None else {}))
+    try:
+        return open_url(base_url.rstrip("/") + path, data=data, headers=all_headers,
+                        method="GET" if body is None else "POST", timeout=timeout)
+    except HTTPError as exc:
+        raise RuntimeError(f"{path} answered HTTP {exc.code}{_error_text(exc)}") from None
+    except (URLError, OSError) as exc:
+        raise RuntimeError(f"{path}: {getattr(exc, 'reason', exc)}") from None
 
 
 def call(base_url, path, headers, timeout, body=None):
     """One JSON request; returns the decoded body or raises RuntimeError with a short reason."""
-    data = None if body is None else json.dumps(body).encode()
-    all_headers = dict(headers, **({"Content-Type": "application/json"} if body is not None else {}))
+    response = _open(base_url, path, headers, timeout, body)
     try:
-        response = open_url(base_url.rstrip("/") + path, data=data, headers=all_headers,
-                            method="GET" if body is None else "POST", timeout=timeout)
         return json.loads(response.read() or b"{}")
-    except HTTPError as exc:
-        raise RuntimeError(f"{path} answered HTTP {exc.code}") from None
-    except (URLError, OSError) as exc:
-        raise RuntimeError(f"{path}: {getattr(exc, 'reason', exc)}") from None
+    except OSError as exc:
+        raise RuntimeError(f"{path}: {exc}") from None
     except ValueError:
         raise RuntimeError(f"{path} did not answer JSON") from None
+
+
+def stream_events(base_url, path, headers, timeout, body):
+    """The ``data:`` payloads of a server-sent event stream, decoded where they are JSON (``[DONE]`` stays a
+    string); raises RuntimeError when the stream cannot be opened or stalls past ``timeout`` seconds in all."""
+    response = _open(base_url, path, headers, timeout, body)
+    deadline = time.monotonic() + timeout
+    try:
+        for raw in response:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{path} was still streaming after {timeout} s")
+            line = raw.decode("utf-8", "replace").strip()
+            if not line.startswith("data:"):
+                continue
+            payload = line[len("data:"):].strip()
+            try:
+                yield json.loads(payload)
+            except ValueError:
+                yield payload
+    except OSError as exc:
+        raise RuntimeError(f"{path} stopped streaming: {exc}") from None
+    finally:
+        response.close()
 
 
 def status(base_url, path, headers, timeout, body):
@@ -184,8 +348,139 @@ def check_auth(base_url, model, api_key, timeout):
     return auth, problems
 
 
-def check(base_url, model, api_key, prompt, max_tokens, timeout, chat=True):
-    """Run the four checks (the first two without ``chat``); returns (result, list of problems)."""
+def check_tool_call(base_url, model, headers, timeout, max_tokens):
+    """A tool definition in (tool_choice any: the server's grammar must produce a call), a tool_use block out, its
+    tool_result back, and a final message."""
+    result = {"ok": False, "tool_use": False, "tool_name": None, "stop_reason": None, "final_stop_reason": None}
+    headers = dict(headers, **{"anthropic-version": ANTHROPIC_VERSION})
+    asked = [{"role": "user", "content": CERTIFY_TOOL_PROMPT}]
+    try:
+        first = call(base_url, "/v1/messages", headers, timeout,
+                     {"model": model, "messages": asked, "max_tokens": CERTIFY_TOOL_MAX_TOKENS, "temperature": 0,
+                      "tools": [CERTIFY_TOOL], "tool_choice": {"type": "any"}})
+    except RuntimeError as exc:
+        return dict(result, detail=f"the request with a tool failed: {exc}")
+    result["stop_reason"] = first.get("stop_reason")
+    content = [part for part in first.get("content") or [] if isinstance(part, dict)]
+    uses = [part for part in content if part.get("type") == "tool_use"]
+    if first.get("type") != "message" or not uses:
+        return dict(result, detail=f"the reply to a request with a tool (tool_choice any) had no tool_use block "
+                                   f"(type {first.get('type')!r}, stop_reason {result['stop_reason']!r}): the model's "
+                                   f"chat template may not support tool calls")
+    use = uses[0]
+    result.update(tool_use=True, tool_name=use.get("name"))
+    if use.get("name") != CERTIFY_TOOL["name"]:
+        return dict(result, detail=f"the model called {use.get('name')!r}, a tool it was not given")
+    # The tools are not sent again: the reply to a tool_result is then read as plain content, which every chat
+    # template allows (with tools, a template whose calls have no start marker cannot carry a plain answer).
+    answered = asked + [{"role": "assistant", "content": content},
+                        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.get("id"),
+                                                      "content": CERTIFY_TOOL_RESULT}]}]
+    try:
+        final = call(base_url, "/v1/messages", headers, timeout,
+                     {"model": model, "messages": answered, "max_tokens": max_tokens, "temperature": 0})
+    except RuntimeError as exc:
+        return dict(result, detail=f"{use.get('name')} was called (stop_reason {result['stop_reason']!r}), but the "
+                                   f"request with its tool_result failed: {exc}")
+    result["final_stop_reason"] = final.get("stop_reason")
+    if final.get("type") != "message":
+        return dict(result, detail=f"the reply to the tool_result was {final.get('type')!r}, not a message")
+    return dict(result, ok=True, detail=f"{use.get('name')} was called (stop_reason {result['stop_reason']!r}); its "
+                                        f"tool_result came back and the model answered (stop_reason "
+                                        f"{result['final_stop_reason']!r})")
+
+
+def check_openai_stream(base_url, model, headers, timeout, max_tokens):
+    result = {"ok": False, "chunks": 0, "done": False}
+    body = {"model": model, "messages": [{"role": "user", "content": "Count to five."}], "max_tokens": max_tokens,
+            "stream": True}
+    try:
+        for event in stream_events(base_url, "/v1/chat/completions", headers, timeout, body):
+            if event == "[DONE]":
+                result["done"] = True
+                break
+            if isinstance(event, dict) and event.get("error"):
+                error = event["error"]
+                return dict(result, detail=f"the stream carried an error after {result['chunks']} chunks: "
+                                           f"{(error.get('message') if isinstance(error, dict) else error)}")
+            result["chunks"] += 1
+    except RuntimeError as exc:
+        return dict(result, detail=f"after {result['chunks']} chunks: {exc}")
+    if not result["done"]:
+        return dict(result, detail=f"the stream ended after {result['chunks']} chunks without data: [DONE]")
+    if not result["chunks"]:
+        return dict(result, detail="the stream sent data: [DONE] without a chunk before it")
+    return dict(result, ok=True, detail=f"{result['chunks']} chunks, then data: [DONE]")
+
+
+def check_anthropic_stream(base_url, model, headers, timeout, max_tokens):
+    result = {"ok": False, "events": 0, "message_stop": False}
+    body = {"model": model, "messages": [{"role": "user", "content": "Count to five."}], "max_tokens": max_tokens,
+            "stream": True}
+    try:
+        for event in stream_events(base_url, "/v1/messages", dict(headers, **{"anthropic-version": ANTHROPIC_VERSION}),
+                                   timeout, body):
+            result["events"] += 1
+            kind = event.get("type") if isinstance(event, dict) else None
+            if kind == "error" or (isinstance(event, dict) and "code" in event and "message" in event):
+                error = event.get("error") if isinstance(event.get("error"), dict) else event
+                return dict(result, detail=f"the stream carried an error after {result['events'] - 1} events: "
+                                           f"{error.get('message')}")
+            if kind == "message_stop":
+                result["message_stop"] = True
+                break
+    except RuntimeError as exc:
+        return dict(result, detail=f"after {result['events']} events: {exc}")
+    if not result["message_stop"]:
+        return dict(result, detail=f"the stream ended after {result['events']} events without message_stop")
+    return dict(result, ok=True, detail=f"{result['events']} events, the last message_stop")
+
+
+def check_throughput(base_url, model, headers, timeout, max_tokens, runs=3):
+    """The server's own timings for the fixed prompt, the median of ``runs`` requests (one slow request on a busy
+    machine does not decide): each processes the prompt afresh (no cache) at temperature 0 and generates
+    ``max_tokens`` without stopping early where the server supports ignore_eos."""
+    result = {"prompt_tokens": None, "prompt_per_second": None, "predicted_tokens": None, "predicted_per_second": None}
+    body = {"model": model, "messages": [{"role": "user", "content": THROUGHPUT_PROMPT}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+    measured = []
+    for run in range(1, runs + 1):
+        try:
+            answer = call(base_url, "/v1/chat/completions", headers, timeout, body)
+        except RuntimeError as exc:
+            return dict(result, detail=f"throughput request {run} of {runs} failed: {exc}")
+        timings = answer.get("timings")
+        if not isinstance(timings, dict) or "predicted_per_second" not in timings:
+            return dict(result, detail="the server's reply has no timings (llama-server reports them with each reply)")
+        measured.append(timings)
+    result.update(
+        prompt_tokens=int(median(t.get("prompt_n") or 0 for t in measured)),
+        prompt_per_second=round(float(median(t.get("prompt_per_second") or 0 for t in measured)), 2),
+        predicted_tokens=int(median(t.get("predicted_n") or 0 for t in measured)),
+        predicted_per_second=round(float(median(t.get("predicted_per_second") or 0 for t in measured)), 2),
+    )
+    detail = (f"{result['prompt_tokens']} prompt tokens at {result['prompt_per_second']} tok/s, "
+              f"{result['predicted_tokens']} generated at {result['predicted_per_second']} tok/s "
+              f"(median of {runs} {'run' if runs == 1 else 'runs'})")
+    if result["predicted_tokens"] != max_tokens:
+        detail += f"; asked for {max_tokens}: the server stopped early, ignore_eos is not honoured"
+    return dict(result, detail=detail)
+
+
+def certify(base_url, model, headers, timeout, max_tokens, throughput_max_tokens, throughput_runs):
+    """The certification's checks; each answers with its fields and a detail sentence, never an exception."""
+    return {
+        "tool_call": check_tool_call(base_url, model, headers, timeout, max_tokens),
+        "streams": {"openai": check_openai_stream(base_url, model, headers, timeout, max_tokens),
+                    "anthropic": check_anthropic_stream(base_url, model, headers, timeout, max_tokens)},
+        "throughput": check_throughput(base_url, model, headers, timeout, throughput_max_tokens, throughput_runs),
+    }
+
+
+def check(base_url, model, api_key, prompt, max_tokens, timeout, chat=True, certify_box=False,
+          throughput_max_tokens=64, throughput_runs=3):
+    """Run the four checks (the first two without ``chat``), and with ``certify_box`` the certification's;
+    returns (result, list of problems)."""
     headers = {"Authorization": "Bearer " + api_key, "x-api-key": api_key} if api_key else {}
     result = {"health": call(base_url, "/health", {}, timeout).get("status", "unknown")}
     problems = [] if result["health"] == "ok" else [f"/health says {result['health']}"]
@@ -207,7 +502,7 @@ def check(base_url, model, api_key, prompt, max_tokens, timeout, chat=True):
     }
     if result["openai"]["object"] != "chat.completion":
         problems.append(f"the OpenAI API answered {result['openai']['object']!r}, not a chat.completion")
-    anthropic = call(base_url, "/v1/messages", dict(headers, **{"anthropic-version": "2023-06-01"}), timeout,
+    anthropic = call(base_url, "/v1/messages", dict(headers, **{"anthropic-version": ANTHROPIC_VERSION}), timeout,
                      {"model": model, "messages": messages, "max_tokens": max_tokens})
     result["anthropic"] = {
         "type": anthropic.get("type", ""),
@@ -219,6 +514,8 @@ def check(base_url, model, api_key, prompt, max_tokens, timeout, chat=True):
     if result["anthropic"]["type"] != "message":
         problems.append(f"the Anthropic API answered {result['anthropic']['type']!r}, not a message")
     result["auth"], auth_problems = check_auth(base_url, model, api_key, timeout)
+    if certify_box:
+        result.update(certify(base_url, model, headers, timeout, max_tokens, throughput_max_tokens, throughput_runs))
     return result, problems + auth_problems
 
 
@@ -233,10 +530,18 @@ def main():
             max_tokens=dict(type="int", default=16),
             timeout=dict(type="int", default=120),
             chat=dict(type="bool", default=True),
+            certify=dict(type="bool", default=False),
+            throughput_max_tokens=dict(type="int", default=64),
+            throughput_runs=dict(type="int", default=3),
         ),
         supports_check_mode=True,
     )
     params = module.params
+    if params["certify"] and not params["chat"]:
+        module.fail_json(msg="certify needs chat: true (the certification's checks are chat turns)", health="unknown")
+    for name in ("throughput_max_tokens", "throughput_runs"):
+        if params[name] < 1:
+            module.fail_json(msg=f"{name} must be at least 1, not {params[name]}", health="unknown")
     api_key = params["api_key"]
     if not api_key and params["api_key_file"]:
         try:
@@ -249,7 +554,8 @@ def main():
             module.no_log_values.add(api_key)
     try:
         result, problems = check(params["base_url"], params["model"], api_key, params["prompt"],
-                                 params["max_tokens"], params["timeout"], params["chat"])
+                                 params["max_tokens"], params["timeout"], params["chat"], params["certify"],
+                                 params["throughput_max_tokens"], params["throughput_runs"])
     except RuntimeError as exc:
         module.fail_json(msg=f"{params['base_url']}: {exc}", health="unreachable")
     if problems:

@@ -338,3 +338,18 @@ def test_host_vars_carry_the_plans_architectures_to_the_source_build(tmp_path):
     defaults = yaml.safe_load((REPO / "roles/llama_engine/defaults/main.yml").read_text())
     assert jinja2.Environment().from_string(role_vars["_llama_engine_cuda_flags"][2]).render(
         **defaults) == "-DCMAKE_CUDA_ARCHITECTURES=70-real"
+
+
+def test_a_cpu_box_serves_on_the_cpu_build_the_fleet_names():
+    cat = catalog()
+    builtin = cat.engine("cpu-0c1e570").model_dump(exclude={"id"})
+    newer = Catalog(models=cat.models, engines={**cat.engines, "cpu-1234567": cat.engine("cpu-0c1e570").model_copy(
+        update={"id": "cpu-1234567", "commit": "1234567"}), "cpu-0000001": cat.engine("cpu-0c1e570").model_copy(
+        update={"id": "cpu-0000001", "commit": "0000001"})})
+    assert builtin["cpu_only"]
+    qwen = "qwen3-4b-instruct-2507-q8_0"
+    cpu_box = HardwareProfile(memory_mib=65536)
+    (chosen,) = _plan(cpu_box, WantedModel(id=qwen, engine="cpu-1234567"), cat=newer).services
+    assert chosen.engine == "cpu-1234567"
+    (first,) = _plan(cpu_box, qwen, cat=newer).services  # nothing named: the first CPU build, as before
+    assert first.engine == "cpu-0000001"

@@ -80,24 +80,62 @@ def test_the_windows_module_takes_the_same_options_and_parses():
     assert set(re.findall(r"^\s+(\w+) = @\{", spec, re.M)) == options
 
 
-def test_the_linux_module_returns_what_it_documents(monkeypatch):
+def _linux_module():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("llama_api_check", LINUX)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    answers = {
-        "/health": {"status": "ok"},
-        "/v1/models": {"data": [{"id": "tiny"}]},
-        "/v1/chat/completions": {"object": "chat.completion", "usage": {"completion_tokens": 3},
-                                 "timings": {"predicted_per_second": 12.345},
-                                 "choices": [{"message": {"content": "hi"}}]},
-        "/v1/messages": {"type": "message", "usage": {"output_tokens": 3}, "stop_reason": "max_tokens",
-                         "content": [{"type": "text", "text": "hi"}]},
-    }
-    monkeypatch.setattr(module, "call", lambda base, path, headers, timeout, body=None: answers[path])
+    return module
+
+
+def test_the_linux_module_returns_what_it_documents(monkeypatch):
+    module = _linux_module()
+
+    def call(base, path, headers, timeout, body=None):
+        if path == "/v1/messages" and "tools" in body:
+            return {"type": "message", "stop_reason": "tool_use",
+                    "content": [{"type": "tool_use", "id": "t1", "name": "get_time", "input": {"timezone": "UTC"}}]}
+        return {
+            "/health": {"status": "ok"},
+            "/v1/models": {"data": [{"id": "tiny"}]},
+            "/v1/chat/completions": {"object": "chat.completion", "usage": {"completion_tokens": 3},
+                                     "timings": {"prompt_n": 9, "prompt_per_second": 99.0, "predicted_n": 4,
+                                                 "predicted_per_second": 12.345},
+                                     "choices": [{"message": {"content": "hi"}}]},
+            "/v1/messages": {"type": "message", "usage": {"output_tokens": 3}, "stop_reason": "max_tokens",
+                             "content": [{"type": "text", "text": "hi"}]},
+        }[path]
+
+    streams = {"/v1/chat/completions": [{"object": "chat.completion.chunk"}, "[DONE]"],
+               "/v1/messages": [{"type": "message_start"}, {"type": "message_stop"}]}
+    monkeypatch.setattr(module, "call", call)
+    monkeypatch.setattr(module, "stream_events", lambda base, path, *args: iter(streams[path]))
     monkeypatch.setattr(module, "status", lambda *args: 401)
-    result, problems = module.check("http://127.0.0.1:1", "tiny", "k" * 20, "hi", 4, 5)
+    result, problems = module.check("http://127.0.0.1:1", "tiny", "k" * 20, "hi", 4, 5, certify_box=True,
+                                    throughput_max_tokens=4)
     assert problems == []
     returned = {name: set(value) if isinstance(value, dict) else set() for name, value in result.items()}
     assert returned == linux_fields()
+    assert result["tool_call"]["ok"] and result["streams"]["openai"]["ok"] and result["streams"]["anthropic"]["ok"]
+    assert result["throughput"]["predicted_tokens"] == 4
+
+
+def test_both_modules_certify_alike():
+    """The same sub-fields of each stream's answer, the same tool and the same throughput prompt (the catalog's
+    bands were measured with it, on either OS)."""
+    module = _linux_module()
+    text = WINDOWS.read_text()
+    for function, python in (("Test-OpenAIStream", module.check_openai_stream),
+                             ("Test-AnthropicStream", module.check_anthropic_stream)):
+        body = text[text.index(f"function {function} {{"):]
+        keys = set(re.findall(r"(\w+) = ", re.search(r"\$result = @\{([^\n]*)\}", body).group(1)))
+        answered = python("http://127.0.0.1:9", "tiny", {}, 1, 1)  # nothing listens there: the failure's fields
+        assert keys == set(answered), function
+    block = text[text.index("$throughputPrompt = ("):]
+    block = block[:block.index("\n)\n")]
+    windows_prompt = "".join(part.replace("''", "'") for part in re.findall(r"'((?:[^']|'')*)'", block))
+    assert windows_prompt == module.THROUGHPUT_PROMPT
+    for value in (module.CERTIFY_TOOL["name"], module.CERTIFY_TOOL_PROMPT, module.CERTIFY_TOOL_RESULT,
+                  f"$certifyToolMaxTokens = {module.CERTIFY_TOOL_MAX_TOKENS}", "$anthropicVersion = '2023-06-01'"):
+        assert value in text, value

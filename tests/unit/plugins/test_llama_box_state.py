@@ -4,27 +4,16 @@ file against the record gguf_download wrote after checking it (the two modules' 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
-import sys
 from pathlib import Path
-from typing import Any
 
-PLUGINS = Path(__file__).resolve().parents[3] / "plugins" / "modules"
+from tests.unit.plugins.loader import load_module
+
 PROBES = Path(__file__).resolve().parents[2] / "fixtures" / "probe"
 
 
-def _load(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, PLUGINS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-state = _load("llama_box_state")
-download = _load("gguf_download")
+state = load_module("llama_box_state")
+download = load_module("gguf_download")
 
 SHOW = """Id=llama-a.service
 LoadState=loaded

@@ -18,7 +18,7 @@ from controller import facts
 
 PROJECT = Path(__file__).resolve().parents[3]
 ROLES = PROJECT / "roles"
-ROLE_NAMES = ("nvidia_driver", "llama_engine", "gguf_model", "llama_service", "llama_verify")
+ROLE_NAMES = ("nvidia_driver", "llama_engine", "gguf_model", "llama_service", "thermal_guard", "llama_verify")
 MERGED_ROLES = [ROLES / name for name in ROLE_NAMES]
 
 # What render passes a Windows box for the facts the controller owns (controller/facts.py).

@@ -27,6 +27,8 @@ def plays(name: str) -> list[dict]:
 LINUX_ONLY = ("agent_clients", "llm_gateway")
 # The fleet's LAN cache (Linux only) runs on its host right after the driver, before the roles that fetch through it.
 CACHE_ROLE = "lan_cache"
+# Run by their own playbooks (certify.yml reads, seal.yml hands a certified box over), never by site.yml.
+SEAL_ROLE = "box_seal"
 
 
 def test_site_is_one_play_running_the_roles_in_order():
@@ -42,7 +44,13 @@ def test_site_is_one_play_running_the_roles_in_order():
     (clients,) = plays("clients.yml")  # the fleet's workstations only: boxes are never in their inventory
     assert clients["hosts"] == "workstations" and [role["role"] for role in clients["roles"]] == ["agent_clients"]
     assert not (PLAYBOOKS / "windows.yml").exists()
-    assert sorted(path.name for path in (PROJECT / "roles").iterdir()) == sorted([*ROLE_NAMES, *LINUX_ONLY, CACHE_ROLE])
+    (seal,) = plays("seal.yml")
+    assert seal["hosts"] == "all" and SEAL_ROLE in str(seal)
+    (certify,) = plays("certify.yml")
+    assert certify["hosts"] == "all" and {task["ansible.builtin.import_role"]["name"] for task in certify["tasks"]} == {
+        "llama_verify"}
+    assert sorted(path.name for path in (PROJECT / "roles").iterdir()) == sorted(
+        [*ROLE_NAMES, *LINUX_ONLY, CACHE_ROLE, SEAL_ROLE])
 
 
 @pytest.mark.parametrize("playbook", ["site.yml", "driver.yml", "verify.yml"])

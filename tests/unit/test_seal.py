@@ -1,0 +1,177 @@
+"""controller seal, without a box: what it refuses before any connection, what it answers for a sealed box, and
+where the new keys go (the run's secrets and the buyer's copy; never the inventory, the fleet or the builder's
+report). The run itself is tests/integration/test_seal.py."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from controller.errors import FleetError, SealRefused
+from controller.fleet import API_KEY_RULE, WantedModel, load_fleet
+from controller.planner import plan_models
+from controller.runner import RunResult
+from controller.seal import changes, check_certified, check_sealable, new_keys, seal, sealed_at
+from tests.cli import run_controller
+from tests.unit.clean_errors import assert_one_line_error
+from tests.unit.planner.helpers import CPU_ONLY, catalog, profile
+
+MODEL = "qwen2.5-coder-0.5b-instruct-q8_0"
+BUYER_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIDsv2bWb8pdJ8h5bpWlT6gIVr8e1q5v9mP0sDbHkzXgQ buyer@laptop"
+CHANGED = ["rotated the API key of llama-x", "removed the authorized SSH keys of root"]
+
+
+def _fleet(tmp_path: Path, **box: Any) -> Path:
+    body = {"boxes": {"box1": {"address": "192.0.2.7", "models": [{"id": MODEL}], **box},
+                      "win": {"address": "192.0.2.8", "os": "windows", "models": [{"id": MODEL}]}}}
+    path = tmp_path / "fleet.yml"
+    path.write_text(yaml.safe_dump(body))
+    return path
+
+
+def _plan(inventory: Path, box: str = "box1") -> None:
+    result = plan_models([WantedModel(id=MODEL)], profile(CPU_ONLY), catalog())
+    (inventory / "plans").mkdir(parents=True, exist_ok=True)
+    (inventory / "plans" / f"{box}.json").write_text(result.model_dump_json())
+
+
+def _certified(inventory: Path, box: str = "box1", passed: bool = True, seal_record: Any = None) -> Path:
+    report = {"box": box, "address": "192.0.2.7", "passed": passed, "generated": "2026-11-24T03:00:00+00:00",
+              "certify_version": 1, "not_checked": [], "seal": seal_record,
+              "checks": [{"name": "endpoint llama-x", "section": "endpoints", "passed": True, "detail": "ok"},
+                         {"name": "burn-in", "section": "burn_in", "passed": passed, "detail": "d"}]}
+    path = inventory / "reports" / f"{box}.certify.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report))
+    return path
+
+
+@pytest.fixture
+def no_pdf(monkeypatch):
+    monkeypatch.setattr("controller.certify_report.print_pdf", lambda html, pdf, timeout=0: "no PDF: not in a unit test")
+
+
+@pytest.fixture
+def fake_run(monkeypatch):
+    """run_playbook replaced: records what it was handed and publishes what box_seal would."""
+    calls: list[dict[str, Any]] = []
+
+    def run(playbook: str, **kwargs: Any) -> RunResult:
+        calls.append({"playbook": playbook, **kwargs})
+        return RunResult(playbook=playbook, status="successful", rc=0, elapsed=1.0,
+                         data={"box_seal": {kwargs["limit"]: {"changed": CHANGED}}})
+
+    monkeypatch.setattr("controller.runner.run_playbook", run)
+    return calls
+
+
+def test_a_box_never_certified_or_failed_is_refused_with_what_to_run(tmp_path):
+    fleet = load_fleet(_fleet(tmp_path))
+    with pytest.raises(SealRefused, match="no certification report; run `controller certify box1 --fleet F` first"):
+        check_certified(fleet.box("box1"), None, "controller certify box1 --fleet F")
+    failed = {"passed": False, "checks": [{"name": "burn-in", "passed": False}, {"name": "identity", "passed": True}]}
+    with pytest.raises(SealRefused, match=r"failed its last certification \(burn-in\).*`controller certify box1"):
+        check_certified(fleet.box("box1"), failed, "controller certify box1 --fleet F")
+    assert SealRefused.exit_code == 10
+
+
+def test_windows_and_gateway_boxes_are_refused_before_any_connection(tmp_path):
+    (tmp_path / "gw.key").write_text("g" * 20)
+    fleet = load_fleet(_fleet(tmp_path, gateway={"api_key": {"file": str(tmp_path / "gw.key")}}))
+    with pytest.raises(SealRefused, match="runs Windows"):
+        check_sealable(fleet.box("win"))
+    with pytest.raises(SealRefused, match="runs a gateway"):
+        check_sealable(fleet.box("box1"))
+
+
+def test_new_keys_are_random_one_per_server_and_keep_the_servers_key_rule():
+    plan = plan_models([WantedModel(id=MODEL)], profile(CPU_ONLY), catalog())
+    first, second = new_keys(plan), new_keys(plan)
+    assert set(first) == {service.name for service in plan.services}
+    assert first != second
+    assert all(API_KEY_RULE.fullmatch(key) and len(key) >= 40 for key in first.values())
+
+
+def test_what_changed_comes_from_the_roles_stats_for_that_box():
+    data = {"box_seal": {"box1": {"changed": CHANGED}, "box2": {"changed": ["other"]}}}
+    assert changes(data, "box1") == CHANGED
+    assert changes({}, "box1") == []
+    assert sealed_at({"seal": {"sealed_at": "T", "changed": []}}) == "T" and sealed_at({"seal": None}) is None
+
+
+def test_buyer_keys_must_be_public_key_lines(tmp_path):
+    with pytest.raises(FleetError, match="is not an SSH public key line"):
+        load_fleet(_fleet(tmp_path, seal={"buyer_authorized_keys": ["-----BEGIN OPENSSH PRIVATE KEY-----"]}))
+    fleet = load_fleet(_fleet(tmp_path, seal={"buyer_authorized_keys": [BUYER_KEY + "\n"]}))
+    assert fleet.box("box1").seal.buyer_authorized_keys == [BUYER_KEY]
+
+
+def test_seal_hands_the_keys_in_as_secrets_and_writes_them_only_into_the_buyers_copy(tmp_path, fake_run, no_pdf):
+    fleet_path = _fleet(tmp_path, seal={"buyer_authorized_keys": [BUYER_KEY]})
+    inventory, buyer = tmp_path / "inventory", tmp_path / "buyer"
+    _plan(inventory)
+    _certified(inventory)
+
+    answer = seal(load_fleet(fleet_path), fleet_path, "box1", inventory, buyer)
+
+    (call,) = fake_run
+    assert call["playbook"] == "seal.yml" and call["limit"] == "box1"
+    keys = call["secrets"]["box_seal_api_keys"]
+    assert keys and all(API_KEY_RULE.fullmatch(key) for key in keys.values())
+    assert call["extravars"]["box_seal_buyer_authorized_keys"] == [BUYER_KEY]
+    assert not any(key in json.dumps(call["extravars"]) for key in keys.values())
+    assert answer["sealed"] is True and answer["already"] is False and answer["changed"] == CHANGED
+
+    report = json.loads((inventory / "reports" / "box1.certify.json").read_text())
+    assert report["seal"] == {"sealed_at": answer["sealed_at"], "changed": CHANGED}
+    assert answer["reports"]["json"] == str((inventory / "reports" / "box1.certify.json").resolve())
+    for path in [*inventory.rglob("*"), fleet_path]:  # the builder's reports, the plan, the fleet: no key
+        if path.is_file():
+            assert not any(key in path.read_text(errors="replace") for key in keys.values()), path
+    assert sorted(Path(path).name for path in answer["buyer_report"].values()) == ["box1.buyer.html", "box1.buyer.md"]
+    for path in map(Path, answer["buyer_report"].values()):
+        assert path.parent == buyer.resolve() and stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert all(key in path.read_text() for key in keys.values())
+    assert stat.S_IMODE(buyer.stat().st_mode) == 0o700
+
+
+def test_a_sealed_box_is_answered_from_its_report_without_a_run(tmp_path, fake_run):
+    fleet_path = _fleet(tmp_path)
+    inventory = tmp_path / "inventory"
+    _certified(inventory, seal_record={"sealed_at": "2026-11-24T03:30:00+00:00", "changed": CHANGED})
+    answer = seal(load_fleet(fleet_path), fleet_path, "box1", inventory, tmp_path / "buyer")
+    assert fake_run == []
+    assert answer["already"] is True and answer["sealed_at"] == "2026-11-24T03:30:00+00:00"
+    assert answer["changed"] == CHANGED and answer["buyer_report"] is None
+    assert not (tmp_path / "buyer").exists()
+
+
+def test_refusals_come_before_any_run(tmp_path, fake_run):
+    fleet_path = _fleet(tmp_path)
+    inventory = tmp_path / "inventory"
+    fleet = load_fleet(fleet_path)
+    with pytest.raises(SealRefused, match="no certification report"):
+        seal(fleet, fleet_path, "box1", inventory, tmp_path / "buyer")
+    _certified(inventory, passed=False)
+    with pytest.raises(SealRefused, match=r"failed its last certification \(burn-in\)"):
+        seal(fleet, fleet_path, "box1", inventory, tmp_path / "buyer")
+    _certified(inventory)  # certified, but this inventory has no plan for it
+    with pytest.raises(SealRefused, match="no rendered plan"):
+        seal(fleet, fleet_path, "box1", inventory, tmp_path / "buyer")
+    _certified(inventory, box="win")
+    with pytest.raises(SealRefused, match="runs Windows"):
+        seal(fleet, fleet_path, "win", inventory, tmp_path / "buyer")
+    assert fake_run == []
+
+
+def test_the_command_refuses_an_uncertified_box_in_one_line(tmp_path):
+    fleet_path = _fleet(tmp_path)
+    done = run_controller("seal", "box1", "--fleet", str(fleet_path), timeout=60)
+    assert_one_line_error(done, 10, "box1", f"controller certify box1 --fleet {fleet_path}")
+    missing = run_controller("seal", "nosuch", "--fleet", str(fleet_path), timeout=60)
+    assert_one_line_error(missing, 2, "nosuch")
