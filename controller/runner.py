@@ -276,6 +276,20 @@ def run_env(inventory: Path) -> dict[str, str]:
     return {**allowed_environ(os.environ), **base_env(), **ssh_env(inventory)}
 
 
+def unrescued(failed: list[FailedTask], stats: Mapping[str, HostStats]) -> list[FailedTask]:
+    """The failures no rescue caught. Ansible reports a task that failed inside a block as failed even when the
+    block's rescue then handled it; the host's stats count only the failures left, and those come last (a host
+    stops at its first uncaught failure)."""
+    kept = []
+    for host in dict.fromkeys(task.host for task in failed):
+        mine = [task for task in failed if task.host == host]
+        counted = stats.get(host)
+        if counted is not None and counted.rescued and not any(task.unreachable for task in mine):
+            mine = mine[len(mine) - counted.failures:] if counted.failures else []
+        kept += mine
+    return kept
+
+
 def run_playbook(
     playbook: str,
     *,
@@ -386,6 +400,7 @@ def run_playbook(
                 cancel_callback=stopper,
             )
         stopper.wait_stopped()
+    failed = unrescued(failed, stats)
     result = RunResult(
         playbook=playbook,
         status=runner.status,

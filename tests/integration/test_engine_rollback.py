@@ -153,6 +153,7 @@ def test_a_failed_check_on_the_new_version_rolls_back_too(wrong_upgrade, systemd
     message = " ".join(done.stderr.split())
     assert (f"A check failed on engine {SLOT} {WRONG}; rolled back to {SLOT} {OLD}, which passes its checks again"
             in message), message
+    assert message.count("task '") == 1, message  # the check the rescue caught is not named as a failure
     assert systemd_target.exec(f"readlink /opt/llama/{SLOT}/current").strip() == OLD
     answer = json.loads(systemd_target.exec(["python3", "-c", ASK, str(port), f"/etc/llama/keys/{SERVICE}.key"]))
     assert [model["id"] for model in answer["models"]["data"]] == ["tiny-llama"]

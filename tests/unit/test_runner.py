@@ -216,3 +216,15 @@ def test_a_stopped_group_that_ignores_ctrl_c_is_killed_after_the_grace_period() 
     finally:
         if deaf.poll() is None:
             deaf.kill()
+
+
+def test_a_failure_a_rescue_caught_is_not_named_as_one():
+    from controller.runner import FailedTask, HostStats, unrescued
+
+    caught = FailedTask(host="box1", task="Check each server", message="HTTP 501", unreachable=False)
+    final = FailedTask(host="box1", task="Fail with the rollback", message="rolled back", unreachable=False)
+    other = FailedTask(host="box2", task="Check each server", message="HTTP 500", unreachable=False)
+    stats = {"box1": HostStats(failures=1, rescued=1), "box2": HostStats(failures=1)}
+    assert unrescued([caught, other, final], stats) == [final, other]
+    assert unrescued([caught], {"box1": HostStats(rescued=1)}) == []  # rescued and done: nothing failed
+    assert unrescued([caught, final], {}) == [caught, final]  # no stats (a stopped run): everything, as seen
