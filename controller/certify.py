@@ -22,7 +22,7 @@ from controller.fleet import Box, Fleet
 from controller.lock import lock_path, read_lock, template_digests
 from controller.profile import HardwareProfile
 from controller.provision import rendered_plan
-from controller.render import secrets_for
+from controller.render import guard_enabled, secrets_for
 from controller.runner import EventHandler, RunResult, run_playbook
 from controller.serveplan import ServePlan
 from controller.transports.known_hosts import known_hosts_file
@@ -63,10 +63,7 @@ def parse_duration(text: str) -> float:
 
 def thermal_settings(box: Box, plan: ServePlan) -> dict[str, Any] | None:
     """The thermal guard the box runs (its fleet settings), or None where it installs none."""
-    guard = box.thermal.guard
-    if guard is False or (guard is None and not any(service.gpus for service in plan.services)):
-        return None
-    return box.thermal.model_dump(mode="json")
+    return box.thermal.model_dump(mode="json") if guard_enabled(box, plan) else None
 
 
 def identity(profile: HardwareProfile) -> dict[str, Any]:

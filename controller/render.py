@@ -311,13 +311,18 @@ def host_vars(box: Box, profile: HardwareProfile, plan: ServePlan | None, driver
     return merged
 
 
+def guard_enabled(box: Box, plan: ServePlan) -> bool:
+    """Whether the box runs the thermal guard: as the fleet says, or (unset) when a service runs on a GPU."""
+    return box.thermal.guard if box.thermal.guard is not None else any(service.gpus for service in plan.services)
+
+
 def thermal_vars(box: Box, plan: ServePlan) -> dict[str, Any]:
     """roles/thermal_guard's inputs: the guard (unset in the fleet: on when a service runs on a GPU) and power limits.
 
     The guard manages the plan's llama services by their service names; the card's power range is checked on the box.
     """
     thermal = box.thermal
-    guard = thermal.guard if thermal.guard is not None else any(service.gpus for service in plan.services)
+    guard = guard_enabled(box, plan)
     out: dict[str, Any] = {"thermal_guard_enabled": guard}
     if guard:
         suffix = "" if box.os == "windows" else ".service"
