@@ -130,11 +130,11 @@ def certify(fleet: Fleet, fleet_path: Path, box_name: str, inventory: Path, *, b
         locked = None if lock is None else lock.boxes.get(box.name)
         state = (run.data.get(STATUS_KEY) or {}).get(box.name)
         extras = (run.data.get(STATS_KEY) or {}).get(box.name) or {}
-        found = evaluate(box, plan, profile, catalog, run, results(run, box), state, extras,
+        verify = results(run, box)
+        found = evaluate(box, plan, profile, catalog, run, verify, state, extras,
                          fleet_path=str(fleet_path), locked=locked, engine_root=rendered_engine_root(inventory, box.name),
                          burn_in_s=burn_in_s, thermal=thermal_settings(box, plan),
                          power_planned=bool(box.power_limit_w))
-        verify = results(run, box)
         report = {
             "box": box.name,
             "address": box.address,
