@@ -10,15 +10,23 @@ SSH host keys are checked against the inventory's ``known_hosts`` (the file the 
 strictly. Ctrl-C (or SIGTERM) during a run stops ansible-playbook (SIGINT to its process group, then
 SIGKILL after a grace period) and raises RunInterrupted naming the last task started. One run at a
 time per inventory folder (controller.files.inventory_lock).
+
+A controller killed outright (SIGKILL, the OOM killer) takes its run with it: ansible-playbook runs under
+controller/playbook_guard.py, which removes the run's private folder and kills the run when its parent dies,
+and holds the inventory's run lock with the run's processes, so a second controller waits for the last of
+them. A private folder whose controller died anyway is removed when the next run starts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import shlex
+import shutil
 import signal
+import stat
 import sys
 import tempfile
 import threading
@@ -31,11 +39,14 @@ from typing import Any
 import yaml
 
 from controller.errors import RunError, TransportError
-from controller.files import inventory_lock
+from controller.files import inventory_lock, run_lock_path
 from controller.transports.known_hosts import forget_command, known_hosts_file
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PLAYBOOKS = PROJECT_ROOT / "playbooks"
+GUARD = Path(__file__).resolve().parent / "playbook_guard.py"
+RUN_FOLDER_PREFIX = "v100box-run-"
+UNMARKED_RUN_FOLDER_AGE_S = 3600  # a run folder without its owner's mark: an older controller's, or just begun
 
 EventHandler = Callable[[dict[str, Any]], None]
 
@@ -84,11 +95,48 @@ class RunResult:
         return sum(s.changed for s in self.stats.values())
 
 
+HIDDEN = "output hidden because the task handles a secret (no_log)"
+
+
+def _hidden(res: Mapping[str, Any]) -> bool:
+    return bool(res.get("_ansible_no_log")) or "censored" in res
+
+
 def _failure_message(res: Mapping[str, Any]) -> str:
-    if res.get("_ansible_no_log"):
-        return "output hidden because the task handles a secret (no_log)"
+    if _hidden(res):
+        return HIDDEN
+    looped = _failed_item(res)
+    if looped is not None:
+        return looped
     message = res.get("msg") or res.get("stderr") or res.get("reason") or "failed"
     return str(message).strip().splitlines()[0][:400] if str(message).strip() else "failed"
+
+
+def _item_label(result: Mapping[str, Any], number: int) -> str:
+    """The loop item as Ansible names it (loop_control's label); an item without one by its ``name``, or its place
+    (a whole item may hold what the label was chosen to leave out)."""
+    label = result.get("_ansible_item_label", result.get(result.get("ansible_loop_var") or "item"))
+    if isinstance(label, Mapping):
+        label = label.get("name")
+    if label is None or isinstance(label, list | Mapping) or not str(label).strip():
+        return f"#{number}"
+    return str(label).strip().splitlines()[0][:120]
+
+
+def _failed_item(res: Mapping[str, Any]) -> str | None:
+    """A failed loop ("One or more items failed"): the first item that failed and why, and how many more did."""
+    results = res.get("results")
+    if not isinstance(results, list):
+        return None
+    items = [(number, result) for number, result in enumerate(results, 1) if isinstance(result, Mapping)]
+    failed = [(number, result) for number, result in items if result.get("failed") and not _hidden(result)]
+    hidden = [number for number, result in items if _hidden(result)]  # Ansible drops a hidden item's "failed"
+    if not failed:
+        return f"an item failed: {HIDDEN}" if hidden else None
+    number, first = failed[0]
+    more = len(failed) - 1
+    others = f" (and {more} more item{'s' if more > 1 else ''})" if more else ""
+    return f"item {_item_label(first, number)}: {_failure_message(first)}{others}"
 
 
 class _VerbatimDumper(yaml.SafeDumper):
@@ -252,6 +300,67 @@ def _child_process_groups() -> list[int]:
     return [pid for pid, fields in _proc_stats() if int(fields[1]) == me and int(fields[2]) == pid]  # ppid, pgrp
 
 
+def remove_stale_run_folders(root: Path | None = None) -> list[Path]:
+    """Remove the private folders (secrets, ansible-runner's input) of runs whose controller died; return them.
+
+    A run's controller holds ``.owner`` in its folder (a shared flock) and writes its pid there once it holds
+    it; a folder whose ``.owner`` says a pid but nobody holds is a dead run's. A folder without that mark is
+    left alone for an hour: a run that is just beginning has none yet, and the folders of older controllers
+    (the same prefix, no mark) are removed after that.
+    """
+    root = root or Path(tempfile.gettempdir())
+    removed = []
+    for folder in root.glob(f"{RUN_FOLDER_PREFIX}*"):
+        try:
+            info = folder.lstat()
+        except OSError:
+            continue
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and _abandoned(folder, info.st_mtime):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def _abandoned(folder: Path, modified: float) -> bool:
+    unmarked_and_old = time.time() - modified > UNMARKED_RUN_FOLDER_AGE_S
+    try:
+        fd = os.open(folder / ".owner", os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return unmarked_and_old
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False  # its controller is alive
+    else:
+        return os.fstat(fd).st_size > 0 or unmarked_and_old
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _run_folder() -> Iterator[Path]:
+    """A private folder for one run, owner-only, removed after it (see ``remove_stale_run_folders``)."""
+    remove_stale_run_folders()
+    folder = Path(tempfile.mkdtemp(prefix=RUN_FOLDER_PREFIX))
+    owner = os.open(folder / ".owner", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(owner, fcntl.LOCK_SH)
+        os.write(owner, f"pid {os.getpid()}\n".encode())
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.close(owner)
+
+
+def guard_command(inventory: Path, run_folder: Path) -> list[str]:
+    """The arguments (after ``sys.executable``) that start ansible-playbook under controller/playbook_guard.py:
+    the ansible-playbook arguments follow them."""
+    return ["-I", str(GUARD), "--parent", str(os.getpid()), "--run-lock", str(run_lock_path(inventory.resolve())),
+            "--run-dir", str(run_folder), "--"]
+
+
 def base_env() -> dict[str, str]:
     # ansible-playbook lives beside this interpreter (a venv's bin/), which need not be on PATH.
     bin_dir = str(Path(sys.executable).parent)
@@ -355,39 +464,40 @@ def run_playbook(
 
     started = time.monotonic()
     env = run_env(inventory)
-    with inventory_lock(inventory, f"ansible-playbook {playbook}"), \
-            tempfile.TemporaryDirectory(prefix="v100box-run-") as private, _Stopper() as stopper:
-        cmdline = []
+    with inventory_lock(inventory, f"ansible-playbook {playbook}"), _run_folder() as private, \
+            _Stopper() as stopper:
+        cmdline = guard_command(inventory, private)
         # workstations.yml for playbooks/clients.yml; then, in a fleet run, the boxes' own secrets
         sources = [str((inventory / hosts_file).resolve())]
         if secrets:
-            secrets_file = Path(private) / "secrets.yml"
+            secrets_file = private / "secrets.yml"
             fd = os.open(secrets_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as secrets_out:
                 yaml.dump(dict(secrets), secrets_out, Dumper=_VerbatimDumper)
-            cmdline = ["-e", f"@{secrets_file}"]
+            cmdline += ["-e", f"@{secrets_file}"]
         per_host = {host: {key: _unsafe(value) for key, value in values.items() if value}
                     for host, values in (host_secrets or {}).items()}
         if any(per_host.values()):
-            secrets_hosts = Path(private) / "secrets-hosts.yml"
+            secrets_hosts = private / "secrets-hosts.yml"
             fd = os.open(secrets_hosts, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as hosts_out:
                 yaml.dump({"all": {"hosts": {host: values for host, values in per_host.items() if values}}},
                           hosts_out, Dumper=_HostSecretsDumper)
             sources.append(str(secrets_hosts))
-        data_dir = Path(private) / "data"
+        data_dir = private / "data"
         (data_dir / "env").mkdir(parents=True)
         (data_dir / "env" / "settings").write_text("pexpect_timeout: 1\n")  # how often a Ctrl-C is noticed
+        cmdline.append(str(path))  # the guard is the binary, so ansible-runner leaves the playbook to us
         with _only_environ(env):
             runner = ansible_runner.run(
                 private_data_dir=str(data_dir),
                 artifact_dir=str(artifact_root),
                 rotate_artifacts=20,
-                playbook=str(path),
+                binary=sys.executable,
                 inventory=sources if len(sources) > 1 else sources[0],
                 limit=limit,
                 extravars=dict(extravars or {}),
-                cmdline=shlex.join(cmdline) if cmdline else None,
+                cmdline=shlex.join(cmdline),
                 envvars=env,
                 # Joined onto the run's artifact dir; an absolute path keeps one cache per inventory.
                 fact_cache=str((inventory / "facts").resolve()),

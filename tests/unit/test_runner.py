@@ -228,3 +228,109 @@ def test_a_failure_a_rescue_caught_is_not_named_as_one():
     assert unrescued([caught, other, final], stats) == [final, other]
     assert unrescued([caught], {"box1": HostStats(rescued=1)}) == []  # rescued and done: nothing failed
     assert unrescued([caught, final], {}) == [caught, final]  # no stats (a stopped run): everything, as seen
+
+
+# The event ansible-core 2.19.14 sent for a get_url loop over two files against a closed loopback port (each
+# item's `invocation` left out); what `run_playbook` names as the failure comes from it.
+FAILED_LOOP = {
+    "results": [
+        {"url": "http://127.0.0.1:9/a.gguf", "dest": "/tmp/loopx/a.gguf", "elapsed": 0, "failed": True,
+         "msg": "Request failed: <urlopen error [Errno 111] Connection refused>", "changed": False,
+         "exception": "(traceback unavailable)", "_ansible_no_log": False,
+         "item": {"name": "a.gguf", "token": "s3cr3t"}, "ansible_loop_var": "item", "_ansible_item_label": "a.gguf"},
+        {"url": "http://127.0.0.1:9/b.gguf", "dest": "/tmp/loopx/b.gguf", "elapsed": 0, "failed": True,
+         "msg": "Request failed: <urlopen error [Errno 111] Connection refused>", "changed": False,
+         "exception": "(traceback unavailable)", "_ansible_no_log": False,
+         "item": {"name": "b.gguf"}, "ansible_loop_var": "item", "_ansible_item_label": "b.gguf"},
+    ],
+    "msg": "One or more items failed",
+    "changed": False,
+}
+# The same ansible-core's whole result of a loop whose `no_log` depends on the item (`no_log: "{{ ... }}"`).
+CENSORED = {"censored": "the output has been hidden due to the fact that 'no_log: true' was specified for this result"}
+
+
+def test_a_failed_loop_is_named_by_its_item_and_its_cause() -> None:
+    from controller.runner import _failure_message
+
+    assert _failure_message(FAILED_LOOP) == ("item a.gguf: Request failed: <urlopen error [Errno 111] Connection "
+                                             "refused> (and 1 more item)")
+    ok, disk_full = dict(FAILED_LOOP["results"][1], failed=False), {
+        "failed": True, "msg": "[Errno 28] No space left on device\nTraceback ...", "item": "model-q4.gguf",
+        "ansible_loop_var": "item"}
+    assert _failure_message({**FAILED_LOOP, "results": [ok, disk_full]}) == \
+        "item model-q4.gguf: [Errno 28] No space left on device"
+    unlabelled = {"failed": True, "msg": "boom", "__pack": {"url": "http://127.0.0.1/p.tar", "sha256": "0" * 64},
+                  "ansible_loop_var": "__pack"}
+    assert _failure_message({**FAILED_LOOP, "results": [ok, unlabelled]}) == "item #2: boom"  # never a whole dict
+
+
+def test_a_failed_loop_that_handles_a_secret_stays_hidden() -> None:
+    from controller.runner import HIDDEN, _failure_message
+
+    assert _failure_message(CENSORED) == HIDDEN
+    assert _failure_message({**FAILED_LOOP, "_ansible_no_log": True}) == HIDDEN
+    hidden_item = {"changed": False, "_ansible_no_log": True, **CENSORED}
+    assert _failure_message({**FAILED_LOOP, "results": [hidden_item]}) == f"an item failed: {HIDDEN}"
+    message = _failure_message({**FAILED_LOOP, "results": [hidden_item, FAILED_LOOP["results"][1]]})
+    assert message.startswith("item b.gguf: Request failed") and "s3cr3t" not in message
+
+
+def test_a_failed_download_loop_says_which_file_and_why(tmp_path: Path) -> None:
+    import socket
+
+    from controller.errors import RunError
+
+    with socket.socket() as probe:  # a loopback port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    inventory = local_inventory(tmp_path / "inventory")
+    play = playbook(tmp_path, f"""\
+        - name: Download the model files
+          ansible.builtin.get_url:
+            url: "http://127.0.0.1:{port}/{{{{ item.name }}}}"
+            dest: "{tmp_path}/{{{{ item.name }}}}"
+            mode: "0644"
+            timeout: 5
+          loop: [{{name: small.gguf}}, {{name: big.gguf}}]
+          loop_control:
+            label: "{{{{ item.name }}}}"
+        """)
+    with pytest.raises(RunError) as failed:
+        run_playbook(str(play), inventory=inventory)
+    message = str(failed.value)
+    assert "here: task 'Download the model files' failed: item small.gguf: Request failed: " in message
+    assert "Connection refused" in message and "One or more items failed" not in message
+    assert len(message.splitlines()) == 1
+
+
+def test_run_folders_of_dead_controllers_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
+    from controller.runner import UNMARKED_RUN_FOLDER_AGE_S, remove_stale_run_folders
+
+    def folder(name: str, owner: str | None, age: float = 0) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        (path / "secrets.yml").write_text("llama_service_api_key: sk-0451\n")
+        if owner is not None:
+            (path / ".owner").write_text(owner)
+        os.utime(path, (time.time() - age, time.time() - age))
+        return path
+
+    dead = folder("v100box-run-dead", "pid 4242\n")
+    beginning = folder("v100box-run-beginning", "")  # its controller has not marked it yet
+    older = folder("v100box-run-older", None, age=UNMARKED_RUN_FOLDER_AGE_S + 60)  # an older controller's
+    fresh = folder("v100box-run-fresh", None)
+    other = folder("someone-elses", "pid 4242\n")
+    alive = folder("v100box-run-alive", "pid 4343\n")
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time\n"
+                               f"fd = open({str(alive / '.owner')!r})\nfcntl.flock(fd, fcntl.LOCK_SH)\n"
+                               "print('held', flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        assert sorted(remove_stale_run_folders(tmp_path)) == sorted([dead, older])
+        assert not dead.exists() and not older.exists()
+        assert beginning.is_dir() and fresh.is_dir() and other.is_dir() and alive.is_dir()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert remove_stale_run_folders(tmp_path) == [alive]
