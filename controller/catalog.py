@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 from functools import cache
@@ -9,7 +10,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Annotated, Literal
 
-import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -22,6 +22,7 @@ from pydantic import (
 
 from controller.errors import CatalogError
 from controller.facts import NEWEST_KNOWN_ARCH, VOLTA_ARCH
+from controller.inputs import CATALOG_MAX_BYTES, MAX_GPU_INDEX, MAX_LAYERS, load_yaml, read_text
 
 # A GGUF metadata value as the catalog writes it: a number, a flag, or one value per layer.
 HParam = int | float | bool | list[int] | list[bool]
@@ -59,6 +60,70 @@ def _address(value: str) -> str:
     return value
 
 
+# GGUF stores counts and sizes as unsigned 32-bit integers; a larger one is a typo, never a model.
+HPARAM_MAX = 2**32 - 1
+# Keys that must be a positive whole number (per layer: positive on some layer): a model without layers, heads,
+# vocabulary or a KV width would "fit" anywhere.
+_POSITIVE_COUNTS = frozenset({"block_count", "embedding_length", "vocab_size", "context_length", "attention.head_count",
+                              "attention.head_count_kv", "attention.key_length", "attention.value_length"})
+# Keys that must be a positive number (a scale or a base, never zero).
+_POSITIVE_SCALES = frozenset({"rope.freq_base"})
+# Keys that count or size something are whole numbers (scales, bases and epsilons are the ones that are not).
+_WHOLE = re.compile(r"length|count|size|rank|kernel|interval|window|layers")
+
+
+def _hparam_problem(key: str, value: object) -> str | None:
+    """Why one ``hparams`` value cannot describe a model, or None."""
+    positive = key in _POSITIVE_COUNTS
+    whole = positive or bool(_WHOLE.search(key))
+    if isinstance(value, list):
+        if not value or len(value) > MAX_LAYERS:
+            return f"give one value per layer (1 to {MAX_LAYERS} values; llama.cpp loads at most {MAX_LAYERS} layers)"
+        if positive and not any(item for item in value if not isinstance(item, bool)):
+            return "every layer has 0; at least one layer needs a positive number"
+        for item in value:
+            if not isinstance(item, bool) and (problem := _number_problem(item, whole=whole, positive=False)):
+                return problem
+        return None
+    if isinstance(value, bool):
+        return "true/false where a number belongs" if positive or key in _POSITIVE_SCALES else None
+    if key == "block_count" and isinstance(value, int) and value > MAX_LAYERS:
+        return f"{value} layers; llama.cpp loads at most {MAX_LAYERS}"
+    return _number_problem(value, whole=whole, positive=positive or key in _POSITIVE_SCALES)
+
+
+def _number_problem(value: object, *, whole: bool, positive: bool) -> str | None:
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{value} is not a number a model has; give the figure from the model's config"
+    if whole and not isinstance(value, int):
+        return f"{value!r} is not a whole number; give the count from the model's config"
+    if value < 0 or (positive and value == 0):
+        least = "a positive number" if positive else "0 or more"
+        return f"{_shown(value)} is {'negative' if value < 0 else 'zero'}; give the figure from the model's config " \
+               f"({least})"
+    if value > HPARAM_MAX:
+        return f"{_shown(value)} is beyond any model (GGUF stores at most {HPARAM_MAX})"
+    return None
+
+
+def _shown(value: object) -> str:
+    text = str(value)
+    return text if len(text) <= 24 else f"a {len(text)}-digit number"
+
+
+def _hparams(value: dict[str, HParam]) -> dict[str, HParam]:
+    for key, item in value.items():
+        if problem := _hparam_problem(key, item):
+            raise ValueError(f"{key}: {problem}")
+    for part, whole in (("nextn_predict_layers", "block_count"), ("leading_dense_block_count", "block_count"),
+                        ("expert_used_count", "expert_count"), ("attention.head_count_kv", "attention.head_count")):
+        small, large = value.get(part), value.get(whole)
+        if isinstance(small, int) and isinstance(large, int) and small > large - (part == "nextn_predict_layers"):
+            least = "below" if part == "nextn_predict_layers" else "at most"
+            raise ValueError(f"{part} {small} must be {least} {whole} {large}; give the figures from the model's config")
+    return value
+
+
 Name = Annotated[str, AfterValidator(_name)]
 OneLine = Annotated[str, AfterValidator(_one_line)]
 Address = Annotated[str, AfterValidator(_address)]
@@ -77,9 +142,9 @@ class TokenizerFacts(_Strict):
 
     model: Name  # tokenizer.ggml.model: gpt2 (BPE), llama (SentencePiece), ...
     pre: Name | None = None  # tokenizer.ggml.pre: the pre-tokenizer, a stand-in for the token texts
-    tokens: int = Field(ge=1)  # len(tokenizer.ggml.tokens)
-    bos: int | None = None
-    eos: int | None = None
+    tokens: int = Field(ge=1, le=HPARAM_MAX)  # len(tokenizer.ggml.tokens)
+    bos: int | None = Field(default=None, ge=0, le=HPARAM_MAX)
+    eos: int | None = Field(default=None, ge=0, le=HPARAM_MAX)
     add_bos: bool = False
     add_eos: bool = False
 
@@ -93,7 +158,7 @@ class DraftPairing(_Strict):
     source: OneLine  # where the figure was measured
 
 
-Rate = Annotated[float, Field(gt=0)]
+Rate = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
 class ThroughputBand(_Strict):
@@ -103,7 +168,7 @@ class ThroughputBand(_Strict):
     Linux or TCC box); the first band that matches is used. ``source`` says where the figures come from."""
 
     hardware: OneLine  # what a person reads, e.g. "one V100 32 GB, native Windows (TCC)"
-    gpus: int = Field(ge=0)
+    gpus: int = Field(ge=0, le=MAX_GPU_INDEX + 1)
     offload: bool = False  # experts offloaded to CPU RAM (the service's cpu_offload)
     split: Literal["none", "layer", "tensor"] = "none"
     driver_model: Literal["TCC", "MCDM", "WDDM"] | None = None
@@ -112,13 +177,21 @@ class ThroughputBand(_Strict):
     prompt_tok_s: tuple[Rate, Rate | None] | None = None
     source: OneLine
 
+    @model_validator(mode="after")
+    def _minimum_below_maximum(self) -> ThroughputBand:
+        for name in ("gen_tok_s", "prompt_tok_s"):
+            low, high = getattr(self, name) or (0, None)
+            if high is not None and high < low:
+                raise ValueError(f"{name}: the minimum {low} is above the maximum {high}; give [minimum, maximum]")
+        return self
+
 
 class ModelEntry(_Strict):
     id: Name
     name: OneLine
     repo: Annotated[str, AfterValidator(_repo)]
     file: Name  # a file name in the model folder, never a path
-    size_bytes: int | None = None
+    size_bytes: int | None = Field(default=None, ge=0, le=2**50)  # the GGUF's bytes; 1 PiB is beyond any model
     sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     engine: Name  # engine family ("upstream", "ik") or an exact engine id
     moe: bool = False
@@ -135,10 +208,10 @@ class ModelEntry(_Strict):
     # (``measured: true`` with ``kv_bytes_per_token`` per cache type and ``size_bytes``).
     arch: str | None = None
     file_type: str | None = None
-    hparams: dict[str, HParam] = Field(default_factory=dict)
+    hparams: Annotated[dict[str, HParam], AfterValidator(_hparams)] = Field(default_factory=dict)
     tied_embeddings: bool = False  # the output layer reuses token_embd (no output.weight in the GGUF)
     measured: bool = False
-    kv_bytes_per_token: dict[str, int] = Field(default_factory=dict)
+    kv_bytes_per_token: dict[str, Annotated[int, Field(ge=1, le=HPARAM_MAX)]] = Field(default_factory=dict)
     tokenizer: TokenizerFacts | None = None  # what a draft pairing compares when no GGUF header is read
     drafts: list[DraftPairing] = Field(default_factory=list)  # recommended draft models, best first
     throughput: list[ThroughputBand] = Field(default_factory=list)  # expected rates, first match wins
@@ -201,8 +274,8 @@ class EngineEntry(_Strict):
     family: Name
     commit: Name
     description: str = ""
-    min_driver: int | None = None
-    max_driver: int | None = None
+    min_driver: int | None = Field(default=None, ge=1, le=9999)  # driver major versions (R570: 570)
+    max_driver: int | None = Field(default=None, ge=1, le=9999)
     cpu_only: bool = False
     nccl: bool = False
     load_flags: dict[str, list[OneLine]] = Field(default_factory=dict)
@@ -230,6 +303,13 @@ class EngineEntry(_Strict):
                                  f"that also runs on the RTX 30 series")
             archs.append(int(text))
         return sorted(set(archs))
+
+    @model_validator(mode="after")
+    def _driver_window(self) -> EngineEntry:
+        if self.min_driver is not None and self.max_driver is not None and self.min_driver > self.max_driver:
+            raise ValueError(f"min_driver {self.min_driver} is above max_driver {self.max_driver}; give the oldest "
+                             "driver branch the build runs on as min_driver")
+        return self
 
     @model_validator(mode="after")
     def _archs_of_the_build(self) -> EngineEntry:
@@ -284,10 +364,7 @@ def _lookup(table: dict, kind: str, entry_id: str):
 
 
 def _read(text: str, source: str) -> dict:
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise CatalogError(f"{source}: not valid YAML: {exc}") from None
+    data = load_yaml(text, source, CatalogError) or {}
     if not isinstance(data, dict):
         raise CatalogError(f"{source}: expected a mapping with 'models' and/or 'engines'")
     unknown = set(data) - {"hub_url", "models", "engines", "downloads"}
@@ -329,13 +406,7 @@ def load_catalog(extra: Iterable[Path] = ()) -> Catalog:
     origin |= {(section, key): "built-in engines.yml" for section in ("engines", "downloads")
                for key in (engines if section == "engines" else downloads)}
     for path in extra:
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise CatalogError(f"{path}: cannot read catalog: {exc.strerror}") from None
-        except UnicodeDecodeError as exc:
-            raise CatalogError(f"{path}: not UTF-8 text (byte {exc.start}); save the catalog as UTF-8") from None
-        data = _read(text, str(path))
+        data = _read(read_text(Path(path), "catalog", CatalogError, CATALOG_MAX_BYTES), str(path))
         models.update(_entries(data, "models", str(path)))
         engines.update(_entries(data, "engines", str(path)))
         for entry_id, body in _entries(data, "downloads", str(path)).items():  # a pin may name only sha256

@@ -27,7 +27,6 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -51,6 +50,15 @@ from controller.facts import (
     DRIVER_LAST_MAJOR,
     DRIVER_WINDOW,
     AgentClient,
+)
+from controller.inputs import (
+    FLEET_MAX_BYTES,
+    MAX_CTX,
+    MAX_GPU_INDEX,
+    SECRET_MAX_BYTES,
+    load_yaml,
+    read_bounded,
+    read_text,
 )
 
 BOX_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
@@ -108,9 +116,11 @@ class Secret(_Strict):
             return value
         path = self.file.expanduser()
         try:
-            value = path.read_text().strip()
+            value = read_bounded(path, SECRET_MAX_BYTES).decode("utf-8").strip()
         except OSError as exc:
             raise FleetError(f"{what}: cannot read secret file {path}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise FleetError(f"{what}: secret file {path} is not UTF-8 text (byte {exc.start})") from None
         if not value:
             raise FleetError(f"{what}: secret file {path} is empty")
         return value
@@ -118,7 +128,7 @@ class Secret(_Strict):
 
 class WantedModel(_Strict):
     id: Name  # a catalog model id: a plain name, checked against the catalog before any connection
-    ctx: int | None = Field(default=None, ge=512)
+    ctx: int | None = Field(default=None, ge=512, le=MAX_CTX)
     agents: int = Field(default=1, ge=1, le=64)  # concurrent agents: --parallel N with one shared KV cache
     # The agent clients that will use the service; `agents: [claude-code, openclaw]` in the fleet file
     # sets this and one slot per client. The planner never plans a context below what they need.
@@ -277,9 +287,13 @@ SSH_PUBLIC_KEY = re.compile(r"(?:ssh-(?:ed25519|rsa|dss)|ecdsa-sha2-nistp(?:256|
 class SealSettings(_Strict):
     """What ``controller seal`` leaves on the box for its buyer."""
 
-    # The buyer's SSH public keys ("ssh-ed25519 AAAA... comment"): they replace the builder's in the authorized_keys
-    # of root and of the connection user. Empty: no key is left; the buyer logs in at the console first.
+    # The buyer's SSH public keys ("ssh-ed25519 AAAA... comment"): the only keys left on the box, in root's
+    # authorized_keys and the buyer account's. Empty: no key is left; the buyer logs in at the console first.
     buyer_authorized_keys: list[str] = Field(default_factory=list)
+    # An account left for the buyer (created when missing; it may be the connection user): only the buyer's keys,
+    # no password, and sudo only with buyer_sudo. Unset: the connection user is removed with its sudo rules.
+    buyer_account: str | None = Field(default=None, pattern=r"^[a-z_][a-z0-9_-]{0,31}$")
+    buyer_sudo: bool = False  # the buyer account may run anything as root (sudo, no password: it has none)
 
     @field_validator("buyer_authorized_keys")
     @classmethod
@@ -290,6 +304,18 @@ class SealSettings(_Strict):
                 raise ValueError(f"{shown!r} is not an SSH public key line: give one line of a .pub file, "
                                  "e.g. 'ssh-ed25519 AAAA... buyer@laptop'")
         return [key.strip() for key in value]
+
+    @model_validator(mode="after")
+    def _buyer_account_can_log_in(self) -> SealSettings:
+        if self.buyer_account == "root":
+            raise ValueError("buyer_account: root is always left to the buyer (with buyer_authorized_keys); name "
+                             "another account, or leave buyer_account out")
+        if self.buyer_account is not None and not self.buyer_authorized_keys:
+            raise ValueError(f"buyer_account {self.buyer_account} needs buyer_authorized_keys: the seal locks its "
+                             "password, so only the buyer's SSH keys open it")
+        if self.buyer_sudo and self.buyer_account is None:
+            raise ValueError("buyer_sudo needs buyer_account: the account that gets the sudo rule")
+        return self
 
 
 class ThermalSettings(_Strict):
@@ -332,8 +358,9 @@ def _power_limit(value: Any) -> Any:
         limits = {}
         for gpu, item in value.items():
             index = int(gpu) if isinstance(gpu, str) and gpu.isdigit() else gpu
-            if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-                raise ValueError(f"GPU {gpu!r} is not a GPU index: give {{index: watts}}, e.g. {{0: 150, 1: 150}}")
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index <= MAX_GPU_INDEX:
+                raise ValueError(f"GPU {gpu!r} is not a GPU index (0 to {MAX_GPU_INDEX}): give {{index: watts}}, e.g. "
+                                 "{0: 150, 1: 150}")
             limits[index] = watts(item, f"GPU {index}: ")
         return limits
     return watts(value, "")
@@ -384,6 +411,23 @@ class Box(Connection):
     power_limit_w: Annotated[int | dict[int, int] | None, BeforeValidator(_power_limit)] = None
     seal: SealSettings = Field(default_factory=SealSettings)  # what `controller seal` leaves for the buyer
     vars: dict[str, Any] = Field(default_factory=dict)  # extra Ansible variables for this box
+
+    @field_validator("agents", mode="before")
+    @classmethod
+    def _agents_count(cls, value: Any) -> Any:
+        """One line for a wrong ``agents:``, instead of one per member of the union it may be."""
+        if value is None:
+            return None
+        if isinstance(value, list):
+            unknown = [str(name) for name in value if name not in AGENT_CLIENT_CTX]
+            if unknown:
+                raise ValueError(f"unknown client {', '.join(unknown)}; name {' or '.join(AGENT_CLIENT_CTX)}, or give a "
+                                 "count of concurrent agents")
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value <= 64 or value % 1:
+            raise ValueError(f"{value!r} is not a number of agents: give 1 to 64 concurrent agents, or the clients "
+                             "that will use the models, e.g. [claude-code, openclaw]")
+        return value
 
     @model_validator(mode="after")
     def _box_agents_for_every_model(self) -> Box:
@@ -705,11 +749,11 @@ def _describe(error: ValidationError, source: Path) -> str:
             where = f"{'box' if loc[0] == 'boxes' else 'workstation'} {loc[1]!r}, "
             loc = loc[2:]
         field = ".".join(str(part) for part in loc) or "(top level)"
-        message = item["msg"]
+        message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             message = "unknown field (check the spelling; see the fleet file reference in README.md)"
         if not loc and not where and item["type"] == "value_error":  # a check across boxes: its own sentence
-            lines.append(f"{source}: {message.removeprefix('Value error, ')}")
+            lines.append(f"{source}: {message}")
             continue
         lines.append(f"{source}: {where}field {field!r}: {message}")
     return "\n".join(lines)
@@ -737,14 +781,5 @@ def parse_fleet(data: Any, source: Path) -> Fleet:
 
 
 def load_fleet(path: Path) -> Fleet:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise FleetError(f"{path}: cannot read fleet file: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise FleetError(f"{path}: not UTF-8 text (byte {exc.start}); save the fleet file as UTF-8") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise FleetError(f"{path}: not valid YAML: {exc}") from None
-    return parse_fleet(data, path)
+    text = read_text(path, "fleet file", FleetError, FLEET_MAX_BYTES)
+    return parse_fleet(load_yaml(text, path, FleetError), path)

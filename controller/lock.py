@@ -70,6 +70,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from controller.errors import LockError
 from controller.files import write_atomic
 from controller.fleet import Box, Fleet
+from controller.inputs import LOCK_MAX_BYTES, BoundedLoader, read_bounded
 from controller.profile import HardwareProfile
 from controller.serveplan import ServePlan
 
@@ -344,13 +345,14 @@ def dumps(lock: Lock) -> str:
 def read_lock(path: Path) -> Lock | None:
     """The lock at ``path`` (None: there is none); a damaged one is refused with what to do."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_bounded(path, LOCK_MAX_BYTES).decode("utf-8")
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as exc:
-        raise LockError(f"{path}: cannot read the lock ({exc}); remove it and run `controller lock`") from None
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise LockError(f"{path}: cannot read the lock ({reason}); remove it and run `controller lock`") from None
     try:
-        return Lock.model_validate(yaml.safe_load(text))
+        return Lock.model_validate(yaml.load(text, Loader=BoundedLoader))  # noqa: S506 - a SafeLoader subclass
     except (yaml.YAMLError, ValidationError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise LockError(f"{path}: not a lock this controller writes ({first}); restore it from version control "

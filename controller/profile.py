@@ -5,11 +5,17 @@ This is the JSON contract of ``controller probe --json``; extend it, never renam
 
 from __future__ import annotations
 
-from typing import Literal
+from collections import Counter
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from controller.facts import VOLTA_ARCH, cuda_arch, is_v100
+from controller.inputs import MAX_GPU_INDEX, MAX_GPU_MIB
+
+# Sizes a saved profile may give: 0 and up, and finite (JSON allows NaN and Infinity, which "fit" or break a plan).
+Mib = Annotated[int, Field(ge=0, le=2**40)]  # a host's memory or a disk, in MiB: at most 1 EiB
+Reading = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class _Model(BaseModel):
@@ -20,12 +26,17 @@ class Gpu(_Model):
     index: int
     uuid: str | None = None
     name: str
-    memory_mib: int | None = None
+    memory_mib: int | None = Field(default=None, ge=0, le=MAX_GPU_MIB)
     compute_capability: str | None = None  # "7.0" form
     pci_bus_id: str | None = None
     serial: str | None = None
-    power_limit_w: float | None = None
-    temperature_c: float | None = None
+    power_limit_w: Annotated[Reading, Field(ge=0)] | None = None
+    temperature_c: Reading | None = None
+    # The Linux device node's minor number (/dev/nvidia<minor>; nvidia-smi -q "Minor Number"). It is not the
+    # index: nvidia-smi numbers the cards by PCI bus, the driver numbers its nodes as it found the cards.
+    # None: not probed (a profile from before it was recorded, or Windows, which has no such node). 254 and 255 are
+    # the driver's own nodes (nvidia-modeset, nvidiactl), never a card's.
+    minor_number: int | None = Field(default=None, ge=0, le=253)
 
     @property
     def is_v100(self) -> bool:
@@ -49,8 +60,8 @@ class NvLink(_Model):
 
 class Cpu(_Model):
     model: str | None = None
-    cores: int | None = None  # physical cores
-    threads: int | None = None
+    cores: int | None = Field(default=None, ge=1, le=2**20)  # physical cores
+    threads: int | None = Field(default=None, ge=1, le=2**20)
     flags: list[str] = Field(default_factory=list)
     avx2: bool = False
     avx512: bool = False
@@ -66,8 +77,8 @@ class OsInfo(_Model):
 class Disk(_Model):
     path: str
     filesystem: str | None = None
-    total_mib: int | None = None
-    free_mib: int | None = None
+    total_mib: Mib | None = None
+    free_mib: Mib | None = None
 
 
 class HardwareProfile(_Model):
@@ -76,7 +87,7 @@ class HardwareProfile(_Model):
     nvlink: NvLink = Field(default_factory=NvLink)
     boards: list[list[int]] = Field(default_factory=list)
     cpu: Cpu = Field(default_factory=Cpu)
-    memory_mib: int | None = None
+    memory_mib: Mib | None = None
     os: OsInfo = Field(default_factory=OsInfo)
     disks: list[Disk] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list)
@@ -85,15 +96,38 @@ class HardwareProfile(_Model):
         """Why the GPU indices cannot be used as CUDA device numbers, or None when they can.
 
         Each index becomes a CUDA_VISIBLE_DEVICES entry: a negative one hides every GPU, a repeated one
-        makes two services share a card the plan gave to one.
+        makes two services share a card the plan gave to one, and one beyond nvidia-smi's numbering (or an NVLink
+        pair or board naming such a card) is a damaged or hand-made profile, never a box.
         """
         indices = [gpu.index for gpu in self.gpus]
         negative = sorted({index for index in indices if index < 0})
         if negative:
             return f"GPU index {negative[0]} is negative; GPU indices are nvidia-smi's, 0 and up"
-        repeated = sorted({index for index in indices if indices.count(index) > 1})
+        beyond = sorted({index for index in indices if index > MAX_GPU_INDEX})
+        if beyond:
+            return (f"GPU index {beyond[0]} is beyond nvidia-smi's numbering (0 to {MAX_GPU_INDEX}; a box has at most "
+                    f"{MAX_GPU_INDEX + 1} GPUs)")
+        counts = Counter(indices)
+        repeated = sorted(index for index, count in counts.items() if count > 1)
         if repeated:
             return f"GPU index {repeated[0]} is listed twice; each GPU appears once, with its own nvidia-smi index"
+        for i, j, links in self.nvlink.pairs:
+            stray = next((index for index in (i, j) if not 0 <= index <= MAX_GPU_INDEX), None)
+            if stray is not None:
+                return f"nvlink pair {i}-{j} names GPU {stray}, beyond nvidia-smi's numbering (0 to {MAX_GPU_INDEX})"
+            if i == j:
+                return f"nvlink pair {i}-{j} links GPU {i} to itself; a pair names two GPUs"
+            if not 0 <= links <= MAX_GPU_INDEX:
+                return f"nvlink pair {i}-{j} has {links} links; a pair has 0 or more, a handful at most"
+        on_board: set[int] = set()
+        for board in self.boards:
+            stray = next((index for index in board if not 0 <= index <= MAX_GPU_INDEX), None)
+            if stray is not None:
+                return f"a board names GPU {stray}, beyond nvidia-smi's numbering (0 to {MAX_GPU_INDEX})"
+            twice = next((index for index in board if index in on_board), None)
+            if twice is not None:
+                return f"GPU {twice} is on two boards (or twice on one); each GPU sits on one NVLink board"
+            on_board.update(board)
         return None
 
     @property

@@ -7,12 +7,14 @@ model catalog id; the work is ``controller.estimate.source.estimate_model``.
 from __future__ import annotations
 
 import json
+import math
 
 import click
 
 from controller.estimate.memory import ENGINES, SPLIT_MODES, Estimate
 from controller.estimate.model import QUANT_CACHE_TYPES
 from controller.estimate.source import EstimateError, estimate_draft, estimate_model, with_draft
+from controller.inputs import MAX_CTX, MAX_GPU_INDEX, MAX_GPU_MIB, MAX_SLOTS
 
 
 def _number_list(value: str | None, option: str, kind: type = int) -> list:
@@ -24,6 +26,51 @@ def _number_list(value: str | None, option: str, kind: type = int) -> list:
     except ValueError:
         what = "integers" if kind is int else "numbers (MiB)"
         raise EstimateError(f"{option} takes comma-separated {what}, got {value!r}") from None
+
+
+def _shown(value: object) -> str:
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:12]}... ({len(text)} characters)"
+
+
+def _check_range(option: str, value: int | None, least: int, most: int, meaning: str) -> None:
+    if value is not None and not least <= value <= most:
+        raise EstimateError(f"{option} {_shown(value)}: give {meaning}")
+
+
+def _check_options(ctx: int | None, parallel: int | None, ubatch: int | None, batch: int | None,
+                   n_gpu_layers: int | None) -> None:
+    """Refuse, in one line, a number llama-server would never run with (it would otherwise be estimated)."""
+    _check_range("--ctx", ctx, 0, MAX_CTX, f"0 (the model's training context) or a context of 1 to {MAX_CTX} tokens")
+    _check_range("--parallel", parallel, 1, MAX_SLOTS, f"1 to {MAX_SLOTS} server slots (llama.cpp's most)")
+    _check_range("--ubatch", ubatch, 1, MAX_CTX, f"a physical batch of 1 to {MAX_CTX} tokens (llama.cpp's default: 512)")
+    _check_range("--batch", batch, 1, MAX_CTX, f"a logical batch of 1 to {MAX_CTX} tokens (llama.cpp's default: 2048)")
+    _check_range("--n-gpu-layers", n_gpu_layers, -1, MAX_CTX, "-1 (every layer) or the number of layers on the GPUs")
+
+
+def _gpu_indices(value: str | None) -> list[int]:
+    """``--gpus``: nvidia-smi indices, each once (a repeated one would count one card as two)."""
+    indices = _number_list(value, "--gpus")
+    for index in indices:
+        if not 0 <= index <= MAX_GPU_INDEX:
+            raise EstimateError(f"--gpus {_shown(value)}: GPU {_shown(index)} is not a GPU index; give nvidia-smi's "
+                                f"numbers, 0 to {MAX_GPU_INDEX}, e.g. 0,1")
+        if indices.count(index) > 1:
+            raise EstimateError(f"--gpus {_shown(value)}: GPU {index} is listed twice; give each GPU once, e.g. 0,1")
+    return indices
+
+
+def _gpu_memory(value: str | None) -> list[float]:
+    """``--gpu-mem-mib``: a finite, positive size per GPU; NaN, infinity, zero and negatives are typos."""
+    sizes = _number_list(value, "--gpu-mem-mib", float)
+    for size in sizes:
+        if not (math.isfinite(size) and 0 < size <= MAX_GPU_MIB):
+            raise EstimateError(f"--gpu-mem-mib {_shown(value)}: {_shown(size)} is not a GPU's memory; give each "
+                                f"GPU's memory in MiB, above 0 and at most {MAX_GPU_MIB}, e.g. 16384,16384")
+    if len(sizes) > MAX_GPU_INDEX + 1:
+        raise EstimateError(f"--gpu-mem-mib gives {len(sizes)} GPUs; a box has at most {MAX_GPU_INDEX + 1}: give one "
+                            "size per GPU of --gpus")
+    return sizes
 
 
 def _render_text(result: Estimate) -> str:
@@ -71,8 +118,9 @@ def estimate(model: str, ctx: int | None, parallel: int | None, kv_unified: bool
              gpus: str | None, gpu_mem_mib: str | None, split_mode: str, n_gpu_layers: int | None,
              cpu_moe: bool, draft: str | None, as_json: bool) -> None:
     """Predict the memory a llama.cpp server will use for MODEL (a GGUF path, URL or catalog id)."""
-    gpu_list = _number_list(gpus, "--gpus")
-    mem_list = _number_list(gpu_mem_mib, "--gpu-mem-mib", float)
+    _check_options(ctx, parallel, ubatch, batch, n_gpu_layers)
+    gpu_list = _gpu_indices(gpus)
+    mem_list = _gpu_memory(gpu_mem_mib)
     if mem_list and not gpu_list:
         gpu_list = list(range(len(mem_list)))
     result = estimate_model(

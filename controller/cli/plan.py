@@ -25,6 +25,7 @@ import click
 from pydantic import ValidationError
 
 from controller.errors import ProbeError
+from controller.inputs import MAX_CTX, PROFILE_MAX_BYTES, TooLarge, read_bounded
 from controller.profile import HardwareProfile
 from controller.serveplan import ServePlan
 
@@ -41,7 +42,12 @@ def _headers(pairs: tuple[str, ...]) -> dict[str, str]:
 
 def _load_profile(path: Path) -> HardwareProfile:
     try:
-        profile = HardwareProfile.model_validate_json(path.read_bytes())
+        data = read_bounded(path, PROFILE_MAX_BYTES)
+        if not data.strip():
+            raise ProbeError(f"{path}: the profile is empty; save one with `controller probe BOX --json`")
+        profile = HardwareProfile.model_validate_json(data)
+    except TooLarge as exc:
+        raise ProbeError(f"{path}: the profile is {exc.strerror} (a probe's is a few KiB)") from None
     except OSError as exc:
         raise ProbeError(f"{path}: cannot read the profile: {exc.strerror}") from None
     except ValidationError as exc:
@@ -157,7 +163,7 @@ def emit(plan: ServePlan, as_json: bool) -> None:
               help="Catalog id (or GGUF path/URL) to serve; repeat for several. With --profile.")
 @click.option("--draft", "drafts", multiple=True,
               help="Draft model (catalog id, GGUF path/URL, or auto) for the --model before it: speculative decoding.")
-@click.option("--ctx", type=click.IntRange(min=512), default=None,
+@click.option("--ctx", type=click.IntRange(min=512, max=MAX_CTX), default=None,
               help="Context each model must offer (default: the largest that fits, up to 131072).")
 @click.option("--agents", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Concurrent agents per model: --parallel N with one shared KV cache.")

@@ -17,12 +17,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TypeVar
 
+from pydantic import ValidationError
+
 from controller.errors import ProbeError
 from controller.probe.commands import LINUX_PROBE_COMMANDS, WINDOWS_PROBE_COMMANDS
 from controller.probe.driver import driver_window_problem
 from controller.probe.gpu_models import known_compute_capability
 from controller.probe.lspci import PciGpu, parse_lspci, pci_gpu
-from controller.probe.nvidia_smi import GpuFields, SmiReading, parse_query_csv, parse_table
+from controller.probe.nvidia_smi import GpuFields, QueryGpu, SmiReading, parse_query_csv, parse_smi_q, parse_table
 from controller.probe.system import (
     CpuFacts,
     DfRow,
@@ -42,6 +44,7 @@ from controller.profile import Cpu, Disk, Driver, Gpu, HardwareProfile, NvLink, 
 
 QUERY_CSV = "nvidia-smi-query.csv"
 SMI_TABLE = "nvidia-smi.txt"
+SMI_Q = "nvidia-smi-q.txt"
 TOPO = "nvidia-smi-topo.txt"
 NVLINK = "nvidia-smi-nvlink.txt"
 CPUINFO = "cpuinfo"
@@ -55,9 +58,9 @@ NPROC = "nproc"
 LSPCI = "lspci.txt"
 
 PROBE_FILES = (QUERY_CSV, SMI_TABLE, TOPO, NVLINK, CPUINFO, MEMINFO, OS_RELEASE, LSCPU, DF, WINDOWS_CIM,
-               PROC_VERSION, NPROC, LSPCI)
+               PROC_VERSION, NPROC, LSPCI, SMI_Q)
 """Every output name :func:`parse_outputs` understands (the issue's contract plus proc-version, nproc,
-lspci.txt)."""
+lspci.txt and nvidia-smi-q.txt)."""
 
 __all__ = ["LINUX_PROBE_COMMANDS", "PROBE_FILES", "WINDOWS_PROBE_COMMANDS", "parse_outputs", "read_dir"]
 
@@ -125,8 +128,19 @@ def _guarded(outputs: Mapping[str, str], name: str, parser: Callable[[str, Warni
 def parse_outputs(outputs: Mapping[str, str], *, model_dir: str | None = None) -> HardwareProfile:
     """Build the hardware profile from probe outputs keyed by file name (see :data:`PROBE_FILES`).
 
-    ``model_dir`` is where the models will live; the disk entry for it carries that path.
+    ``model_dir`` is where the models will live; the disk entry for it carries that path. A value no box can
+    have (a negative memory size, an absurd GPU index) is one line naming it, never a crash.
     """
+    try:
+        return _parse_outputs(outputs, model_dir=model_dir)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "the profile"
+        raise ProbeError(f"the probe outputs give {where} = {first.get('input')!r}, which no box has "
+                         f"({first['msg']}); check the captured outputs or the box's nvidia-smi") from None
+
+
+def _parse_outputs(outputs: Mapping[str, str], *, model_dir: str | None = None) -> HardwareProfile:
     warnings = Warnings()
     outputs = _as_text(outputs)
     for name in outputs:
@@ -140,6 +154,7 @@ def parse_outputs(outputs: Mapping[str, str], *, model_dir: str | None = None) -
 
     os_info = _os_info(outputs, table, csv_reading, windows, warnings)
     gpus = _gpus(csv_reading, table, nvlink, warnings)
+    _identify(gpus, _guarded(outputs, SMI_Q, parse_smi_q, list, warnings), warnings)
     on_bus = _guarded(outputs, LSPCI, parse_lspci, list, warnings)
     if not gpus:
         on_bus = on_bus or [pci_gpu(None, device, name) for device, name in windows.nvidia_pci]
@@ -182,6 +197,42 @@ def _gpus(csv_reading: SmiReading, table: SmiReading, nvlink: dict[int, NvlinkGp
                      f"names cut short by the table (GPU {', '.join(str(gpu.index) for gpu in cut)}: "
                      f"{cut[0].name!r}); {QUERY_CSV} gives full names")
     return gpus
+
+
+def _identify(gpus: list[Gpu], sections: list[QueryGpu], warnings: Warnings) -> None:
+    """Give each GPU its device minor number (and its UUID where the CSV had none) from ``nvidia-smi -q``.
+
+    A section belongs to the GPU at its PCI bus id, else to the GPU with its UUID. Two cards claiming one
+    minor number would share a device node: neither keeps it.
+    """
+    if not sections or not gpus:
+        return
+    claimed: dict[int, QueryGpu] = {}
+    for gpu in gpus:
+        section = next((s for s in sections if gpu.pci_bus_id and _bus(s.pci_bus_id) == _bus(gpu.pci_bus_id)), None)
+        section = section or next((s for s in sections if gpu.uuid and s.uuid == gpu.uuid), None)
+        if section is None:
+            warnings.add(SMI_Q, None, f"has no section for GPU {gpu.index} ({gpu.pci_bus_id or gpu.uuid or gpu.name}); "
+                         "its device minor number is unknown")
+            continue
+        claimed[id(section)] = section
+        if gpu.uuid and section.uuid and gpu.uuid != section.uuid:
+            warnings.add(SMI_Q, section.line, f"GPU {gpu.index} at {gpu.pci_bus_id} has UUID {section.uuid} here but "
+                         f"{gpu.uuid} in {QUERY_CSV}; the cards changed between the two commands")
+            continue
+        gpu.uuid = gpu.uuid or section.uuid
+        gpu.minor_number = section.minor_number
+    for section in sections:
+        if id(section) not in claimed:
+            warnings.add(SMI_Q, section.line, f"the GPU at {section.pci_bus_id} is not among the GPUs nvidia-smi lists; "
+                         "ignored")
+    minors = [gpu.minor_number for gpu in gpus if gpu.minor_number is not None]
+    for minor in sorted({minor for minor in minors if minors.count(minor) > 1}):
+        sharing = [gpu for gpu in gpus if gpu.minor_number == minor]
+        warnings.add(SMI_Q, None, f"GPUs {', '.join(str(gpu.index) for gpu in sharing)} all give minor number {minor}; "
+                     "a device node belongs to one card, so none of them keeps it")
+        for gpu in sharing:
+            gpu.minor_number = None
 
 
 def _pci_gpus(found: list[PciGpu], source: str, warnings: Warnings) -> list[Gpu]:
