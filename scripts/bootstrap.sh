@@ -6,7 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(podman crun debootstrap uidmap cmake ninja-build g++ make curl openssh-client ca-certificates systemd)
+# strace: the GPU check (lab/gpu_check) traces the server's system calls, in CI on the CPU engine.
+packages=(podman crun debootstrap uidmap cmake ninja-build g++ make curl openssh-client ca-certificates systemd strace)
 missing=()
 for package in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" || missing+=("$package")
