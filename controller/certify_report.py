@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 import shutil
 import statistics
 import subprocess
@@ -566,12 +567,21 @@ def _md(text: str) -> str:
     return text
 
 
+def _longest_backtick_run(text: str) -> int:
+    return max((len(run) for run in re.findall(r"`+", text)), default=0)
+
+
 def _md_code(text: str) -> str:
+    """A value as a code span in a table cell. CommonMark ends a span at the first backtick run as long as its
+    fence, and backslashes escape nothing inside it, so the fence is one backtick longer than any run in the value:
+    no value can end its span early and put the rest (an ``<img onerror>``) in the page as raw HTML. A pipe is
+    escaped for the table row (GFM unescapes it inside spans too); newlines and runs of spaces become one space."""
     text = " ".join(str(text).split()).replace("|", "\\|")
-    if text == DASH:
-        return text
-    fence = "``" if "`" in text else "`"
-    return f"{fence} {text} {fence}" if fence == "``" else f"`{text}`"
+    if not text or text == DASH:
+        return DASH
+    fence = "`" * (_longest_backtick_run(text) + 1)
+    pad = " " if "`" in text else ""  # one space each side, which CommonMark strips, keeps a backtick off the fence
+    return f"{fence}{pad}{text}{pad}{fence}"
 
 
 def _md_block(block: Any) -> list[str]:
@@ -584,8 +594,9 @@ def _md_block(block: Any) -> list[str]:
     if isinstance(block, Facts):
         return [*(f"- **{_md(label)}:** {_md(value)}" for label, value in block.rows), ""]
     if isinstance(block, Pre):
-        fence = "~~~~" if "```" in block.text or "~~~" in block.text else "```"
-        return [fence + "json", block.text.replace("\n" + fence, "\n " + fence), fence, ""]
+        # Only a line of at least as many backticks closes the block (up to three spaces before them included).
+        fence = "`" * max(3, _longest_backtick_run(block.text) + 1)
+        return [fence + "json", block.text, fence, ""]
     if isinstance(block, Table):
         lines = ["| " + " | ".join(_md(column) for column in block.columns) + " |",
                  "|" + "|".join(" --- " for _ in block.columns) + "|"]

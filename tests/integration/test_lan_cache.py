@@ -4,7 +4,9 @@ gguf_model) fetch the engine pack and the model through it on all three boxes at
 the controller renders (probe, plan, render of each box). The upstream test server counts the body bytes it
 sends: each file goes out once. A Range request through the cache is answered from it. With the cache down,
 a box stops naming the cache host when the fleet allows no fallback, and fetches from upstream (its sha256
-still checked, the run's data saying so) when it does.
+still checked, the run's data saying so) when it does. Last, the cache host is pointed at two more upstreams: a
+request's query string never reaches upstream (one that answers a query with other bytes cannot fill the entry
+of the plain path), and an https upstream whose certificate the distribution's bundle does not trust is refused.
 
 The targets share the host's network, so the cache listens on a free loopback port that every target and
 this test reach.
@@ -24,6 +26,7 @@ from controller.provision import prepare
 from controller.render import read_rendered
 from controller.report import cache_section
 from controller.runner import run_playbook
+from lab.fileserver import FileServer
 from lab.site import MODEL_REPO, PACK_NAME
 from lab.target import free_port, started
 
@@ -43,6 +46,34 @@ PLAY = """
     - role: llama_engine
     - role: gguf_model
 """
+
+CACHE_PLAY = """
+- name: Run the fleet's LAN cache
+  hosts: all
+  gather_facts: false
+  pre_tasks:
+    - name: Gather the facts the role reads
+      ansible.builtin.setup:
+        gather_subset: ['!all', '!min', 'distribution', 'pkg_mgr']
+  roles:
+    - role: lan_cache
+"""
+
+
+class _QueryAwareServer(FileServer):
+    """An upstream that answers a path with a query with other bytes (as a versioned or signed URL may), and
+    records every query it is sent."""
+
+    def __init__(self, root) -> None:
+        super().__init__(root)
+        self.queries: list[str] = []
+
+    async def _plain(self, request):
+        path = request.match_info["path"]
+        if request.query_string:
+            self.queries.append(request.query_string)
+            return self._file(f"{path}.query")
+        return self._file(path)
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +189,29 @@ def test_a_down_cache_falls_back_to_upstream_when_the_fleet_allows_it(lab, targe
         lab["model"].read_bytes()).hexdigest()
 
 
+def test_a_query_never_reaches_upstream_and_an_untrusted_certificate_is_refused(lab, targets, tmp_path):
+    plain, other = b"p" * 20_000, b"q" * 20_000  # the same length: only the bytes tell the two apart
+    (tmp_path / "probe.bin").write_bytes(plain)
+    (tmp_path / "probe.bin.query").write_bytes(other)
+    _render(lab, ["c1"])
+    (lab["folder"] / "cache.yml").write_text(CACHE_PLAY)
+    base = f"http://127.0.0.1:{lab['cache']['port']}"
+    since = targets["c1"].exec(["date", "+%Y-%m-%d %H:%M:%S"]).strip()
+
+    with _QueryAwareServer(tmp_path) as upstream, FileServer(tmp_path, tls=True) as untrusted:
+        result = run_playbook(str(lab["folder"] / "cache.yml"), inventory=lab["inventory"], limit="c1",
+                              extravars={"lan_cache_upstreams": {"models": upstream.url, "engines": untrusted.url}},
+                              raise_on_failure=False)
+        assert result.status == "successful", [f.message for f in result.failed]
+
+        first = httpx.get(f"{base}/models/probe.bin?x=1", timeout=10)
+        second = httpx.get(f"{base}/models/probe.bin", timeout=10)
+        refused = httpx.get(f"{base}/engines/probe.bin", timeout=10)
+
+    assert first.status_code == 200 and first.content == plain, first.content[:40]
+    assert second.status_code == 200 and second.headers["x-cache-status"] == "HIT"
+    assert second.content == plain, second.content[:40]  # not what upstream answers for ?x=1
+    assert upstream.queries == []
+    assert refused.status_code == 502 and untrusted.requests == []  # no HTTP request after the TLS handshake
+    journal = targets["c1"].exec(["journalctl", "--no-pager", "-u", "lan-cache.service", "--since", since])
+    assert "upstream SSL certificate verify error" in journal, journal[-2000:]

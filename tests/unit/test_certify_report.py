@@ -4,6 +4,7 @@ plots drawn from the burn-in's samples, the files written (and the buyer's copy 
 from __future__ import annotations
 
 import copy
+import html
 import json
 import math
 import re
@@ -231,6 +232,48 @@ def test_a_cell_with_a_pipe_or_a_newline_keeps_its_markdown_table_row():
     report["checks"][0]["detail"] = "a | b\nc"
     row = next(line for line in certify_report.markdown(report).splitlines() if line.startswith("| identity |"))
     assert len(re.split(r"(?<!\\)\|", row)) == 6 and "a \\| b c" in row  # 4 cells, the pipe escaped
+
+
+def _commonmark(text: str) -> str:
+    """Markdown as a CommonMark viewer with GFM tables shows it (markdown-it-py comes with rich)."""
+    from markdown_it import MarkdownIt
+
+    return MarkdownIt("commonmark").enable("table").render(text)
+
+
+IMG = "<img src=x onerror=alert(1)>"
+
+
+@pytest.mark.parametrize("value", [
+    f"a``{IMG}``b",  # two backticks closed the double-backtick span this used to get
+    f"`{IMG}`",
+    f"```{IMG}`` `",
+    f"x\\`{IMG}`",  # a backslash escapes nothing inside a code span
+    f"{IMG}` | c\n``",  # a pipe and a newline as well
+])
+def test_a_value_with_backticks_cannot_end_its_code_span(value):
+    report = full_report()
+    report["identity"]["gpus"][0]["uuid"] = value
+    report["installed"]["models"][0]["file"] = value
+    report["thermal_guard"]["events"][0]["service"] = value
+
+    page = _commonmark(certify_report.markdown(report))
+
+    _, tags = _visible(page)
+    assert "img" not in tags and "<img" not in page
+    codes = [html.unescape(code) for code in re.findall(r"<code>(.*?)</code>", page, re.S)]
+    assert codes.count(" ".join(value.split())) == 3  # each value whole, in one span, in its own cell
+    page_text, page_tags = _visible(certify_report.html(report))
+    assert "img" not in page_tags and page_text.count(" ".join(value.split())) == 3
+
+
+def test_a_preformatted_block_has_a_fence_no_line_of_it_closes():
+    text = "{\n```\n ~~~~\n````" + IMG + "\n}"
+
+    page = _commonmark("\n".join(certify_report._md_block(certify_report.Pre(text))))
+
+    assert "<img" not in page and html.unescape(page).count(IMG) == 1
+    assert re.fullmatch(r'<pre><code class="language-json">.*</code></pre>\s*', page, re.S)
 
 
 def test_plots_are_svg_drawn_from_the_samples():

@@ -1,7 +1,10 @@
 """The fleet's LAN cache: the fleet option, the URLs the planner gives each box (the cache as its mirror, the
-upstream as fallback only when the fleet allows it), the role variables render writes, and the report."""
+upstream as fallback only when the fleet allows it), the role variables render writes, the report, and the nginx
+configuration the role writes (rendered by Ansible's own template engine)."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import yaml
@@ -15,6 +18,7 @@ from controller.report import cache_section, markdown
 from controller.runner import RunResult
 from lab.site import PACK_NAME, pinned_engine
 from tests.unit.tiny_box import CPU_PROFILE, tiny_catalog_file
+from tests.unit.windows.ansible_local import ROLES, role_vars, run_playbook
 
 SHA = "cd" * 32
 UPSTREAM_MODELS = "https://hub.example"
@@ -164,3 +168,94 @@ def test_an_unpinned_pack_is_refused_through_the_plain_http_cache(tmp_path):
 
     with pytest.raises(CatalogError, match=r"and cache\.engines \(http://10\.0\.0\.1:8090/engines\) is plain HTTP"):
         _vars(_fleet(tmp_path), "c2", load_catalog([tiny_catalog_file(tmp_path, SHA)]))
+
+
+# ---------------------------------------------------------------- the role's nginx configuration
+
+CA_BUNDLES = {"Debian": "/etc/ssl/certs/ca-certificates.crt", "RedHat": "/etc/pki/tls/certs/ca-bundle.crt"}
+
+
+@pytest.fixture(scope="module")
+def nginx_conf(tmp_path_factory) -> dict[str, str]:
+    """The role's nginx.conf for a Debian and an EL cache host, with one https and one http upstream."""
+    folder = tmp_path_factory.mktemp("lan-cache-conf")
+    tasks = []
+    for family in CA_BUNDLES:
+        tasks += [{"name": f"Look like a {family} box", "ansible.builtin.set_fact": {"ansible_os_family": family,
+                                                                                    "cacheable": True}},
+                  {"name": f"Render the {family} configuration", "ansible.builtin.template": {
+                      "src": str(ROLES / "lan_cache" / "templates" / "nginx.conf.j2"),
+                      "dest": str(folder / f"{family}.conf"), "mode": "0644"}}]
+    play = {"name": "Render the LAN cache's configuration", "hosts": "localhost", "gather_facts": False,
+            "vars_files": role_vars("lan_cache"), "tasks": tasks}
+    done = run_playbook(folder, [play], windows=False, extra_vars={
+        "lan_cache_upstreams": {"models": UPSTREAM_MODELS, "engines": UPSTREAM_ENGINES},
+        "lan_cache_allow_from": ["10.0.0.0/24"]})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    return {family: (folder / f"{family}.conf").read_text() for family in CA_BUNDLES}
+
+
+def _nginx_blocks(text: str) -> dict:
+    """nginx configuration as nested blocks: {"": [(name, args)], ...} with a block's children under "blocks"."""
+    tokens = re.findall(r'"[^"]*"|[{};]|[^\s{};"]+', re.sub(r"#[^\n]*", "", text))
+    root: dict = {"directives": [], "blocks": []}
+    stack, words = [root], []
+    for token in tokens:
+        if token == ";":
+            stack[-1]["directives"].append((words[0], words[1:]))
+            words = []
+        elif token == "{":
+            block = {"name": words[0], "args": words[1:], "directives": [], "blocks": []}
+            stack[-1]["blocks"].append(block)
+            stack.append(block)
+            words = []
+        elif token == "}":
+            stack.pop()
+        else:
+            words.append(token)
+    assert len(stack) == 1 and not words
+    return root
+
+
+def _proxied_locations(text: str) -> dict[str, list[dict]]:
+    """Each proxied location, as the chain of blocks whose directives it inherits (location, server, http)."""
+    (http,) = [block for block in _nginx_blocks(text)["blocks"] if block["name"] == "http"]
+    return {location["args"][0]: [location, server, http]
+            for server in http["blocks"] if server["name"] == "server"
+            for location in server["blocks"] if location["name"] == "location"
+            and any(name == "proxy_pass" for name, _ in location["directives"])}
+
+
+def _effective(chain: list[dict], name: str) -> list[str] | None:
+    """A directive's arguments where nginx takes them from: the innermost block that sets it."""
+    for block in chain:
+        for directive, args in block["directives"]:
+            if directive == name:
+                return args
+    return None
+
+
+@pytest.mark.slow  # ansible-playbook on localhost: seconds
+@pytest.mark.parametrize("family", sorted(CA_BUNDLES))
+def test_the_cache_verifies_an_https_upstreams_certificate_against_the_distributions_bundle(nginx_conf, family):
+    locations = _proxied_locations(nginx_conf[family])
+
+    assert set(locations) == {"/models/", "/engines/"}
+    assert _effective(locations["/models/"], "proxy_pass") == [f"{UPSTREAM_MODELS}/"]
+    for chain in locations.values():
+        assert _effective(chain, "proxy_ssl_verify") == ["on"]
+        assert _effective(chain, "proxy_ssl_trusted_certificate") == [CA_BUNDLES[family]]
+        assert _effective(chain, "proxy_ssl_server_name") == ["on"]  # SNI: the hub's name, checked against it too
+        assert int(_effective(chain, "proxy_ssl_verify_depth")[0]) >= 2  # a leaf under an intermediate CA
+
+
+@pytest.mark.slow
+def test_a_query_string_never_reaches_upstream_under_a_key_that_leaves_it_out(nginx_conf):
+    for location, chain in _proxied_locations(nginx_conf["Debian"]).items():
+        (key,) = _effective(chain, "proxy_cache_key")
+        kept = "$args" in key or "$query_string" in key or "$request_uri" in key
+        dropped = ["set", ["$args", '""']] in [[name, args] for name, args in chain[0]["directives"]]
+        assert kept or dropped, f"{location}: the upstream gets the query, the cache key {key} leaves it out"
+        # Nor does the encoding a client asks for: upstream always sends the bytes as they are.
+        headers = {args[0].lower(): args[1] for name, args in chain[0]["directives"] if name == "proxy_set_header"}
+        assert headers.get("accept-encoding") == '""', location
