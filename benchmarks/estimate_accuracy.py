@@ -8,8 +8,13 @@
     as a header-only GGUF and estimated with the log's own settings. Target: KV within 2% for the
     engines the product runs (upstream llama.cpp, ik_llama.cpp); the others are listed with why.
 (c) The kit's figures in DESIGN.md, from the models' published configs (sources cited below).
+(d) The CUDA llama-server (the same llama.cpp commit, built for CUDA) on a real GPU
+    (../shared/fixtures/gpu-h100-580/cuda-truth/): each recorded case's hyperparameters written as a
+    header-only GGUF and estimated with ``--gpus 0`` and the case's settings. Targets: weights and KV
+    within 1%, CUDA0 and CUDA_Host compute within 10% (or 32 MiB), the GPU's total never under what
+    the engine allocated.
 
-    .venv/bin/python benchmarks/estimate_accuracy.py [--only a|b|c] [--dir /var/tmp/est-bench]
+    .venv/bin/python benchmarks/estimate_accuracy.py [--only a|b|c|d] [--dir /var/tmp/est-bench]
 
 Exit status 1 if any targeted row fails.
 """
@@ -17,6 +22,7 @@ Exit status 1 if any targeted row fails.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -26,7 +32,15 @@ sys.path.insert(0, str(REPO))
 
 from controller.estimate.llamalog import context_settings, header_metadata, parse_log
 from controller.estimate.source import estimate_model
-from lab.estimate_check import Case, format_rows, run_case, within
+from lab.estimate_check import (
+    Case,
+    cuda_truth_cases,
+    cuda_truth_estimate_args,
+    cuda_truth_header,
+    format_rows,
+    run_case,
+    within,
+)
 from lab.tinymodels import write_gguf
 
 FIXTURES = REPO.parent / "shared" / "fixtures" / "real"
@@ -193,9 +207,46 @@ def part_c(folder: Path) -> bool:
     return True
 
 
+def part_d(folder: Path) -> bool:
+    from tests.cli import invoke  # the command itself, as a user runs it
+
+    cases = cuda_truth_cases()
+    if not cases:
+        print("\n(d) ../shared/fixtures/gpu-h100-580/cuda-truth is not beside this clone: skipped")
+        return True
+    print("\n(d) CUDA llama-server 0c1e570 on an H100 (driver 580) vs controller estimate --gpus 0 (MiB)\n")
+    head = (f"{'case':<44}| {'weights est':>11}{'actual':>8} | {'KV est':>7}{'actual':>8} | {'CUDA0 est':>9}"
+            f"{'actual':>8} | {'CUDA_Host est':>13}{'actual':>8} | {'GPU total':>9}{'actual':>8} | result")
+    print(head + "\n" + "-" * len(head))
+    ok = True
+    for path in cases:
+        recorded = json.loads(path.read_text())
+        case, truth = recorded["case"], recorded["truth"]
+        log = parse_log(path.with_suffix(".log").read_text(errors="replace"))
+        gguf = cuda_truth_header(case["model"], folder / f"{case['name']}.gguf")
+        out = invoke("estimate", str(gguf), "--json", *cuda_truth_estimate_args(case))
+        devices = {d["name"]: d for d in json.loads(out.output)["devices"]}
+        gpu, host = devices["CUDA0"], devices["CPU"]
+        weights = (gpu["weights_mib"] + host["weights_mib"], sum(truth["model_buffers"].values()))
+        kv = (gpu["kv_mib"] + host["kv_mib"], log.total("KV"))
+        cuda0 = (gpu["compute_mib"], truth["compute_buffers"]["CUDA0"])
+        pinned = (host["compute_mib"], truth["compute_buffers"].get("CUDA_Host", 0.0))
+        total = (gpu["weights_mib"] + gpu["kv_mib"] + gpu["compute_mib"],
+                 truth["model_buffers"]["CUDA0"] + log.buffers["KV"].get("CUDA0", 0.0) + cuda0[1])
+        checks = {"weights": within(*weights, (0.01, 0.0)), "kv": within(*kv, (0.01, 0.0)),
+                  "CUDA0": within(*cuda0, (0.10, 32.0)), "CUDA_Host": within(*pinned, (0.10, 32.0)),
+                  "total": total[0] >= total[1] - 0.01}
+        failed = [k for k, passed in checks.items() if not passed]
+        ok &= not failed
+        print(f"{case['name']:<44}| {weights[0]:>11.2f}{weights[1]:>8.2f} | {kv[0]:>7.2f}{kv[1]:>8.2f} | "
+              f"{cuda0[0]:>9.2f}{cuda0[1]:>8.2f} | {pinned[0]:>13.2f}{pinned[1]:>8.2f} | {total[0]:>9.2f}"
+              f"{total[1]:>8.2f} | " + ("PASS" if not failed else "FAIL (" + ", ".join(failed) + ")"))
+    return ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=["a", "b", "c"])
+    parser.add_argument("--only", choices=["a", "b", "c", "d"])
     parser.add_argument("--dir", type=Path, default=None, help="where generated models are kept between runs")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="est-bench-") as tmp:
@@ -208,6 +259,8 @@ def main() -> int:
             ok &= part_b(folder)
         if args.only in (None, "c"):
             ok &= part_c(folder)
+        if args.only in (None, "d"):
+            ok &= part_d(folder)
     return 0 if ok else 1
 
 

@@ -118,3 +118,39 @@ def format_rows(rows: Sequence[Row]) -> str:
             f"{r.weights[1]:>9.2f} | {r.compute[0]:>12.2f}{r.compute[1]:>9.2f} | {verdict}"
         )
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- recorded CUDA allocations
+
+CUDA_TRUTH = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "gpu-h100-580" / "cuda-truth"
+
+
+def cuda_truth_cases(folder: Path = CUDA_TRUTH) -> list[Path]:
+    """The recorded cases (``<case>.json`` beside its ``<case>.log``; see the fixtures' README)."""
+    return sorted(folder.glob("*.json")) if folder.is_dir() else []
+
+
+def cuda_truth_header(model: dict[str, Any], path: Path) -> Path:
+    """A header-only GGUF (tensor table, no data) with a recorded case's hyperparameters (``case.model``)."""
+    options: dict[str, Any] = {
+        "n_layer": model["n_layer"], "n_embd": model["n_embd"], "n_head": model["n_head"],
+        "n_head_kv": model["n_head_kv"], "n_ff": model["n_ff"], "n_vocab": model["n_vocab"],
+        "n_ctx_train": model["ctx_train"], "file_type": model["dtype"],
+    }
+    if model.get("head_dim"):
+        options["head_dim"] = model["head_dim"]
+    if model["arch"] == "qwen3moe":
+        options |= {"n_expert": model["n_expert"], "n_expert_used": model["n_expert_used"],
+                    "n_ff_exp": model["n_ff_exp"]}
+    if model["arch"] == "gemma3":
+        options |= {"sliding_window": model.get("n_swa", 0), "swa_pattern": model.get("swa_pattern", 2)}
+    return write_model(path, model["arch"], header_only=True, **options)
+
+
+def cuda_truth_estimate_args(case: dict[str, Any]) -> list[str]:
+    """``controller estimate`` options for a recorded case's server settings (one CUDA device)."""
+    run = case["run"]
+    return ["--gpus", "0", "--n-gpu-layers", str(case["ngl"]), "--ctx", str(run["ctx"]),
+            "--parallel", str(run["parallel"]), "--kv-unified" if run["kv_unified"] else "--no-kv-unified",
+            "--cache-type-k", run["ctk"], "--cache-type-v", run["ctv"], "--ubatch", str(run["ubatch"]),
+            "--batch", str(run["batch"]), "--flash-attn", run["fa"]]

@@ -89,6 +89,10 @@ def _render_text(result: Estimate) -> str:
         lines.append(f"{d['name']:<8}{d['weights_mib']:>12.1f}{d['kv_mib']:>12.1f}{d['compute_mib']:>12.1f}"
                      f"{d['overhead_mib']:>12.1f}{d['total_mib']:>12.1f}{cap}")
     lines.append(f"total   {data['total_mib']:.1f} MiB")
+    if data.get("host_pinned"):
+        pinned = data["host_pinned"]
+        lines.append(f"pinned  {pinned['total_mib']:.1f} MiB of the CPU row is page-locked host memory ({pinned['buffer']}: "
+                     f"compute {pinned['compute_mib']:.1f}, output {pinned['output_mib']:.1f})")
     lines += [f"note    {note}" for note in data["notes"]]
     return "\n".join(lines)
 

@@ -3,6 +3,10 @@
 ``read_header`` (local path or http(s) URL, header only) -> ``model_spec`` -> ``resolve_settings``
 (the engine's defaults) -> ``estimate`` (weights, KV and compute per device). The planner uses
 ``largest_fitting_context`` to find the biggest context a device budget allows.
+
+Compute buffers: ``graph`` builds the engine's worst-case graph for a model (tensor by tensor, over
+``ggml``'s symbolic tensors) and ``sched`` places it on the backends and sizes each backend's buffer
+with the engine's scheduler and allocator rules.
 """
 
 from controller.estimate.gguf_header import GGUFHeader, GGUFHeaderError, read_header

@@ -10,8 +10,14 @@ the CPU test build, and ik_llama.cpp where it differs):
   the window on upstream (its iSWA cache) but not on ik_llama.cpp, recurrent layers a fixed state
   per sequence, MLA a single compressed K; cells rounded up to 256; one stream (unified) or one per
   sequence; quantised cache types by their block size;
-* compute: the worst-case graph of one micro-batch (ubatch tokens against the full cache), whose
-  peak is set by the logits, the attention scores (or flash-attention tiles) and the FFN.
+* compute: each backend's buffer for the worst-case graph of one micro-batch (ubatch tokens against
+  every cell of the cache). For the architectures whose graph is mirrored (``controller.estimate.graph``)
+  on the upstream engine, the graph is built tensor by tensor and run through the engine's own
+  scheduler and allocator rules (``controller.estimate.sched``): which backend runs each node (weights
+  in host memory are copied to the GPU for prompt-sized batches), which inputs each split copies, what
+  is alive at once. With a GPU, the CPU backend's buffer is pinned host memory (``CUDA_Host``): the graph
+  inputs (token ids, the KQ mask, the token embeddings) and whatever runs on the CPU. Other models
+  and ik_llama.cpp use a formula fitted to the CPU server's buffers.
 
 GPUs also carry the CUDA context and cuBLAS workspaces, which no GGUF describes: a fixed
 per-device overhead is added so that a plan leaves room for it.
@@ -24,6 +30,8 @@ from typing import Any
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from controller.estimate import graph as graph_model
+from controller.estimate.ggml import BufferType
 from controller.estimate.model import (
     Layer,
     ModelSpec,
@@ -32,11 +40,13 @@ from controller.estimate.model import (
     is_input_tensor,
     tensor_layer,
 )
+from controller.estimate.sched import MAX_COPIES, Backend, Scheduler
 
 MIB = 1024 * 1024
 KV_PAD = 256  # llama.cpp pads the context and the SWA cache to 256 cells (llama-context.cpp, llama-kv-cache-iswa.cpp)
 IK_PAD_FA, IK_PAD_NO_FA = 256, 32  # ik_llama.cpp pads the cache to 256 cells with flash attention, 32 without
 TENSOR_ALIGN = 32  # GGUF tensor data alignment; mapped CPU weights include it
+CUDA_ROW_PADDING = 512  # ggml-cuda MATRIX_ROW_PADDING: quantised tensors get a partial row of padding
 CUDA_OVERHEAD_MIB = 400.0  # CUDA context + cuBLAS workspace per device on a V100 (observed 300-450 MiB)
 ENGINES = ("upstream", "ik")
 SPLIT_MODES = ("none", "layer", "tensor")
@@ -90,7 +100,8 @@ def resolve_settings(
 
     Upstream llama-server (0c1e570, tools/server/server.cpp): with ``--parallel`` unset it runs
     4 slots over one unified KV cache; an explicit ``--parallel`` keeps per-slot caches unless
-    ``--kv-unified`` is given. ``-c 0``/unset means the training context. Flash attention
+    ``--kv-unified`` is given. ``-c 0``/unset means the training context, per slot when the slots
+    have their own caches (``--fit``, on by default, common/fit.cpp). Flash attention
     ``auto`` resolves to on for the CPU and CUDA backends. ik_llama.cpp (common.h): 1 slot, one
     cache shared by all slots, flash attention on.
     """
@@ -118,7 +129,13 @@ def resolve_settings(
         fa = True
     else:
         fa = flash_attn in (True, "on", "1", "true")
-    n_ctx = ctx if ctx else spec.n_ctx_train
+    if ctx:
+        n_ctx = ctx
+    elif engine == "upstream" and not unified:
+        # --fit (on by default) resolves an unset context to the training context per stream (common/fit.cpp)
+        n_ctx = spec.n_ctx_train * max(parallel, 1)
+    else:
+        n_ctx = spec.n_ctx_train
     batch = batch or 2048
     return Settings(
         engine=engine, ctx=n_ctx, parallel=max(parallel, 1), kv_unified=unified,
@@ -218,7 +235,9 @@ def weights_per_device(spec: ModelSpec, s: Settings, place: Placement) -> list[f
     """Bytes of weights on each device (CPU last), padded as the loader maps them.
 
     CPU-resident matrices of the repackable types also get an interleaved copy (the
-    ``CPU_REPACK`` buffer) while the mapped file stays mapped, so they count twice on the CPU.
+    ``CPU_REPACK`` buffer) while the mapped file stays mapped, so they count twice on the CPU. Only
+    without a GPU: with one, the CPU's buffer types start with the GPU's pinned host buffer
+    (llama-model.cpp ``make_cpu_buft_list``), which takes every weight before the repack type is tried.
     """
     per_device = [0.0] * len(place.devices)
     embd = 0
@@ -237,7 +256,7 @@ def weights_per_device(spec: ModelSpec, s: Settings, place: Placement) -> list[f
         else:
             device = place.layer_device[layer] if layer < len(place.layer_device) else place.output_device
         _spread(size, device, place, s, per_device)
-        if device == place.cpu and s.cpu_repack and _repacked(tensor.ggml_type, tensor.shape, tensor.name):
+        if device == place.cpu and s.cpu_repack and not s.gpus and _repacked(tensor.ggml_type, tensor.shape, tensor.name):
             per_device[place.cpu] += tensor.nbytes
     if spec.tied_embeddings and embd and place.output_device != place.cpu:
         # The output layer reuses the embedding matrix; offloaded, it is a second copy on the GPU.
@@ -275,7 +294,7 @@ def kv_cells(spec: ModelSpec, s: Settings) -> tuple[int, int, int]:
         cells, streams = n_ctx, 1
     else:
         cells, streams = _pad(n_ctx // s.parallel, KV_PAD), s.parallel
-    n_ubatch = min(s.ubatch, s.batch, n_ctx)
+    n_ubatch = min(s.ubatch, s.batch, s.ctx)  # llama_context clamps the batches by -c before padding it
     swa = _pad(min(cells, spec.n_swa * (s.parallel if s.kv_unified else 1) + n_ubatch), KV_PAD)
     return cells, swa, streams
 
@@ -291,6 +310,18 @@ def _layer_kv_bytes_per_cell(layer: Layer, spec: ModelSpec, s: Settings, v_width
     return row_bytes(k_type, layer.k_width) + row_bytes(v_type, v_width)
 
 
+def _cuda_padding(cache: str, width: int, rows: int) -> int:
+    """Bytes a CUDA buffer adds to one cache tensor: a quantised tensor gets one more partial row, up to
+    512 elements (``ggml_backend_cuda_buffer_type_get_alloc_size``), and every tensor starts on 128 bytes."""
+    qtype = cache_type(cache)
+    block, size = GGML_QUANT_SIZES[qtype]
+    nbytes = rows * row_bytes(qtype, width) if width % block == 0 else 0
+    extra = 0
+    if block > 1 and width % CUDA_ROW_PADDING:
+        extra = (CUDA_ROW_PADDING - width % CUDA_ROW_PADDING) // block * size
+    return _pad(nbytes + extra, 128) - nbytes
+
+
 def _ik_mla_width(spec: ModelSpec) -> int:
     """ik_llama.cpp's MLA cache holds the compressed latent plus the rope part (kv_lora_rank + n_rot)."""
     return spec.kv_lora_rank + spec.n_rot if spec.kv_lora_rank else 0
@@ -303,14 +334,20 @@ def kv_plan(spec: ModelSpec, s: Settings, place: Placement) -> KVPlan:
     attn = [layer for layer in spec.layers if layer.kind in ("full", "swa")]
     v_width_max = max((layer.v_width for layer in attn), default=0)
     total = bytes_per_token = 0
+    mla = spec.mla or (s.engine == "ik" and spec.arch.startswith("deepseek") and _ik_mla_width(spec) > 0)
     for layer in attn:
         per_cell = _layer_kv_bytes_per_cell(layer, spec, s, v_width_max)
         n = swa_cells if layer.kind == "swa" else cells
         size = per_cell * n * streams
         if layer.kind == "full" or s.engine == "ik":
             bytes_per_token += per_cell
+        device = place.layer_device[layer.index]
+        if device != place.cpu and not mla:
+            v_width = layer.v_width if s.flash_attn else v_width_max
+            size += _cuda_padding(s.cache_type_k, layer.k_width, n * streams)
+            size += _cuda_padding(s.cache_type_v, v_width, n * streams)
         total += size
-        _spread(size, place.layer_device[layer.index], place, s, per_device)
+        _spread(size, device, place, s, per_device)
     recurrent = [layer for layer in spec.layers if layer.kind == "recurrent"]
     state_bytes = 0
     for layer in recurrent:
@@ -347,8 +384,7 @@ def compute_bytes(spec: ModelSpec, s: Settings, cells: int, swa_cells: int, stre
     The coefficients were fitted to the 0c1e570 CPU server's reported buffers across n_embd,
     n_ff, heads, experts, ubatch and context (benchmarks/estimate_accuracy.py checks them).
     """
-    n_ctx = _pad(s.ctx, KV_PAD)
-    t = min(s.ubatch, s.batch, n_ctx)
+    t = min(s.ubatch, s.batch, s.ctx)
     f32 = 4
     attn = [layer for layer in spec.layers if layer.kind in ("full", "swa")]
     has_full = any(layer.kind == "full" for layer in attn)
@@ -381,17 +417,117 @@ def compute_bytes(spec: ModelSpec, s: Settings, cells: int, swa_cells: int, stre
             "total": max(attention, ffn, output) + masks}
 
 
-def cuda_fa_pool_bytes(spec: ModelSpec, s: Settings, cells: int) -> int:
-    """CUDA flash attention converts a quantised K/V view to f16 in the device's memory pool.
+def cuda_fa_f16_bytes(spec: ModelSpec, s: Settings, cells: int, streams: int) -> int:
+    """CUDA flash attention converts a K or V cache that is not f16 to f16 inside its result's allocation.
 
-    The pool keeps its peak: K and V of the widest layer over every cell. It is not part of the
-    reported compute buffer, but it is device memory that grows with the context.
+    For a prompt-sized batch the engine's kernels read f16 only (fattn.cu
+    ``ggml_cuda_flash_attn_ext_get_alloc_size``), so one layer's K and V of every cell of every stream
+    are converted into the compute buffer. Used by the formula; the graph model sizes it per node.
     """
-    if not s.flash_attn or s.cache_type_k in ("f16", "f32", "bf16") and s.cache_type_v in ("f16", "f32", "bf16"):
+    if not s.flash_attn:
         return 0
     attn = [layer for layer in spec.layers if layer.kind in ("full", "swa")]
-    width = max((layer.k_width + layer.v_width for layer in attn), default=0)
-    return cells * width * 2
+    k = max((layer.k_width for layer in attn), default=0) if s.cache_type_k != "f16" else 0
+    v = max((layer.v_width for layer in attn), default=0) if s.cache_type_v != "f16" else 0
+    return cells * streams * (k + v) * 2
+
+
+@dataclass
+class ComputePlan:
+    """Each device's compute buffer (GPUs, then the host), and how it was worked out."""
+
+    per_device: list[float]
+    model: str  # "graph": the engine's scheduler and allocator over the mirrored graph; "formula" otherwise
+    pinned: bool  # the host's buffer is CUDA pinned memory (a GPU backend exists)
+    splits: int = 0
+    nodes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def _pipeline_parallel(spec: ModelSpec, s: Settings) -> bool:
+    """llama_context: several GPUs, every layer and the output offloaded, layer split, no tensor overrides."""
+    return len(s.gpus) > 1 and s.n_gpu_layers > spec.n_layer_all and s.split_mode == "layer" and not s.cpu_moe
+
+
+def compute_plan(spec: ModelSpec, s: Settings, place: Placement, kv: KVPlan, compress: bool = True) -> ComputePlan:
+    """The compute buffers of the reserve pass: the engine's graph where it is mirrored, else the formula.
+
+    ``compress=False`` builds every layer (``graph.layer_plan`` otherwise shortens repeating stretches).
+    """
+    if s.engine == "upstream" and graph_model.supported(spec):
+        return _graph_plan(spec, s, place, kv, compress)
+    return _formula_plan(spec, s, place, kv)
+
+
+def _graph_plan(spec: ModelSpec, s: Settings, place: Placement, kv: KVPlan, compress: bool) -> ComputePlan:
+    n_gpu = len(s.gpus)
+    tensor_split = s.split_mode == "tensor" and n_gpu > 1
+    n_backends = 1 if tensor_split else n_gpu
+    backends = [Backend(f"CUDA{k}", True, BufferType(f"CUDA{k}", False)) for k in range(n_backends)]
+    host = BufferType("CUDA_Host" if n_gpu else "CPU", True)
+    backends.append(Backend("CPU", False, host))
+    cpu = len(backends) - 1
+
+    def backend(device: int) -> int:
+        if device == place.cpu:
+            return cpu
+        return 0 if tensor_split else device
+
+    shape = graph_model.shape_for(spec, s.ctx, s.ubatch, s.batch, s.parallel, s.kv_unified, kv.cells,
+                                  kv.swa_cells, s.flash_attn, s.cache_type_k, s.cache_type_v)
+    n_copies = MAX_COPIES if _pipeline_parallel(spec, s) else 1
+    layer_device = [backend(d) for d in place.layer_device[:spec.n_layer]]
+
+    def reserve(compress: bool) -> tuple[list[int], Scheduler, graph_model.Built]:
+        built = graph_model.build_graph(spec, shape, layer_device, backend(place.output_device), cpu,
+                                        [b.buft for b in backends], n_gpu > 0 and s.n_gpu_layers > spec.n_layer_all,
+                                        compress=compress)
+        sched = Scheduler(backends, op_offload=True, n_copies=n_copies)
+        for tensor, device in built.pins:
+            sched.pin(tensor, device)
+        return sched.reserve(built.graph), sched, built
+
+    sizes, sched, built = reserve(compress)
+    if compress and n_copies > 1 and sched.n_splits > len(set(layer_device)) + 2:
+        # pipeline parallelism keeps every copy of every split input: splits inside the layers (an op no GPU
+        # runs) make the buffers grow with each layer, which a shortened graph would not show
+        sizes, sched, built = reserve(False)
+    per_device = [0.0] * len(place.devices)
+    for k in range(n_gpu):
+        per_device[k] = float(sizes[0 if tensor_split else k])
+    per_device[place.cpu] = float(sizes[cpu])
+    notes = []
+    if tensor_split:
+        notes.append("split mode tensor: each GPU is given the compute buffer of the whole graph on one GPU")
+    return ComputePlan(per_device, "graph", n_gpu > 0, sched.n_splits, len(built.graph.nodes), notes)
+
+
+def _formula_plan(spec: ModelSpec, s: Settings, place: Placement, kv: KVPlan) -> ComputePlan:
+    graph = compute_bytes(spec, s, kv.cells, kv.swa_cells, kv.streams)
+    compute = [0.0] * len(place.devices)
+    gpu_used = sorted({d for d in place.layer_device + [place.output_device] if d != place.cpu})
+    if s.split_mode == "tensor" and len(s.gpus) > 1 and gpu_used:
+        gpu_used = list(range(len(s.gpus)))
+    f16 = cuda_fa_f16_bytes(spec, s, kv.cells, kv.streams) if s.engine == "upstream" else 0
+    for device in gpu_used:
+        compute[device] = graph["total"] + f16
+    t = min(s.ubatch, s.batch, s.ctx)
+    if not gpu_used or place.output_device == place.cpu or any(d == place.cpu for d in place.layer_device):
+        compute[place.cpu] = graph["total"]
+    else:
+        # Fully offloaded: the host keeps the graph inputs (the KQ masks, the token ids) and the token
+        # embeddings it looks up for the GPU, twice (the raw-embeddings input and the lookup).
+        compute[place.cpu] = graph["masks"] + 2 * t * spec.n_embd * 4 + spec.n_vocab * 4 * s.parallel
+    notes = []
+    if s.gpus:
+        notes.append(f"compute buffers: {spec.arch} on {s.engine} is sized with a formula fitted to the CPU server, "
+                     "not with the engine's graph; the margin in a plan covers the difference")
+    return ComputePlan(compute, "formula", bool(s.gpus), notes=notes)
+
+
+def output_bytes(spec: ModelSpec, s: Settings) -> int:
+    """The logits buffer llama_context reserves for one output per slot (``output_reserve``), on the host."""
+    return spec.n_vocab * 4 * max(s.parallel, 1)
 
 
 # ---------------------------------------------------------------- the whole estimate
@@ -406,6 +542,8 @@ class DeviceEstimate:
     overhead_mib: float
     total_mib: float
     capacity_mib: float | None = None
+    output_mib: float = 0.0  # the logits buffer (host only), counted in the total
+    pinned_mib: float = 0.0  # of the total, page-locked host memory (CUDA_Host): compute and output buffers
 
     @property
     def fits(self) -> bool | None:
@@ -421,6 +559,12 @@ class Estimate:
     compute: list[float]
     devices: list[DeviceEstimate]
     notes: list[str] = field(default_factory=list)
+    compute_plan: ComputePlan | None = None
+
+    @property
+    def host_pinned_mib(self) -> float:
+        """Page-locked host memory (CUDA_Host) the server takes beyond its weights: it cannot be swapped out."""
+        return sum(d.pinned_mib for d in self.devices)
 
     @property
     def total_mib(self) -> float:
@@ -429,6 +573,7 @@ class Estimate:
     def to_json(self) -> dict[str, Any]:
         """The ``controller estimate --json`` contract (issue 4); extra keys extend it, none rename it."""
         names = [d.name for d in self.devices]
+        plan = self.compute_plan
         return {
             "model": {
                 "arch": self.spec.arch, "n_layer": self.spec.n_layer, "n_ctx_train": self.spec.n_ctx_train,
@@ -442,16 +587,30 @@ class Estimate:
                 "streams": self.kv.streams, "recurrent_layers": self.kv.recurrent_layers,
                 "recurrent_mib": _mib(self.kv.recurrent_bytes),
             },
-            "compute": {"total_mib": _mib(sum(self.compute)), "per_device": dict(zip(names, map(_mib, self.compute)))},
+            "compute": {
+                "total_mib": _mib(sum(self.compute)), "per_device": dict(zip(names, map(_mib, self.compute))),
+                "model": plan.model if plan else "formula", "splits": plan.splits if plan else 0,
+            },
+            "host_pinned": self._pinned_json(),
             "devices": [
                 {"name": d.name, "weights_mib": round(d.weights_mib, 2), "kv_mib": round(d.kv_mib, 2),
                  "compute_mib": round(d.compute_mib, 2), "overhead_mib": round(d.overhead_mib, 2),
+                 "output_mib": round(d.output_mib, 2), "pinned_mib": round(d.pinned_mib, 2),
                  "total_mib": round(d.total_mib, 2), "capacity_mib": d.capacity_mib, "fits": d.fits}
                 for d in self.devices
             ],
             "total_mib": round(self.total_mib, 2),
             "notes": self.notes,
         }
+
+
+    def _pinned_json(self) -> dict[str, Any] | None:
+        """The CUDA_Host buffers: host RAM the box must have besides the weights and the host's KV."""
+        if not self.settings.gpus:
+            return None
+        host = self.devices[-1]
+        return {"buffer": "CUDA_Host", "compute_mib": round(host.compute_mib, 2),
+                "output_mib": round(host.output_mib, 2), "total_mib": round(host.pinned_mib, 2)}
 
 
 def _mib(value: float) -> float:
@@ -464,33 +623,26 @@ def estimate(spec: ModelSpec, s: Settings) -> Estimate:
     place = place_layers(spec, s)
     weights = weights_per_device(spec, s, place)
     kv = kv_plan(spec, s, place)
-    graph = compute_bytes(spec, s, kv.cells, kv.swa_cells, kv.streams)["total"]
-    compute = [0.0] * len(place.devices)
-    gpu_used = sorted({d for d in place.layer_device + [place.output_device] if d != place.cpu})
-    if s.split_mode == "tensor" and len(s.gpus) > 1 and gpu_used:
-        gpu_used = list(range(len(s.gpus)))
-    pool = cuda_fa_pool_bytes(spec, s, kv.cells)
-    for device in gpu_used:
-        compute[device] = graph + pool
-    if not gpu_used or place.output_device == place.cpu or any(d == place.cpu for d in place.layer_device):
-        compute[place.cpu] = graph
-    else:
-        # Fully offloaded: the host keeps only the pinned input staging buffer (embeddings of a ubatch).
-        compute[place.cpu] = min(s.ubatch, s.batch, s.ctx) * spec.n_embd * 4 + spec.n_vocab * 4 * s.parallel
+    plan = compute_plan(spec, s, place, kv) if spec.layers else ComputePlan([0.0] * len(place.devices), "none", False)
+    compute = plan.per_device
+    notes += plan.notes
     if any(layer.kind == "recurrent" for layer in spec.layers):
         notes.append("compute buffers of recurrent (state) layers are not modelled; the estimate covers attention and FFN")
     if not s.flash_attn and (s.cache_type_v not in ("f16", "f32", "bf16")):
         notes.append("a quantised V cache needs flash attention; the engine will refuse these settings")
     if not spec.layers:
         notes.append("no layer information: KV cache and compute could not be estimated")
+    output = output_bytes(spec, s)
     devices = []
     for k, name in enumerate(place.devices):
         overhead = CUDA_OVERHEAD_MIB if k != place.cpu else 0.0
         capacity = s.gpu_mem_mib[k] if k != place.cpu and s.gpu_mem_mib else None
-        total = (weights[k] + kv.per_device[k] + compute[k]) / MIB + overhead
+        out = output if k == place.cpu else 0
+        total = (weights[k] + kv.per_device[k] + compute[k] + out) / MIB + overhead
+        pinned = (compute[k] + out) / MIB if k == place.cpu and plan.pinned else 0.0
         devices.append(DeviceEstimate(name, weights[k] / MIB, kv.per_device[k] / MIB, compute[k] / MIB,
-                                      overhead, total, capacity))
-    return Estimate(spec, s, kv, weights, compute, devices, notes)
+                                      overhead, total, capacity, out / MIB, pinned))
+    return Estimate(spec, s, kv, weights, compute, devices, notes, plan)
 
 
 def largest_fitting_context(spec: ModelSpec, s: Settings, budget_mib: float) -> int:
@@ -514,6 +666,6 @@ def _with_ctx(s: Settings, ctx: int) -> Settings:
 
 
 __all__ = [
-    "CUDA_OVERHEAD_MIB", "Estimate", "EstimateInputError", "KVPlan", "Settings", "estimate", "kv_cells",
+    "CUDA_OVERHEAD_MIB", "ComputePlan", "Estimate", "EstimateInputError", "KVPlan", "Settings", "estimate", "kv_cells",
     "largest_fitting_context", "place_layers", "resolve_settings", "row_bytes",
 ]

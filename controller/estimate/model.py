@@ -92,6 +92,9 @@ class ModelSpec:
     size_bytes: int
     tensors: list[TensorInfo]
     notes: list[str] = field(default_factory=list)
+    # The tensors by name, kept when a copy of the spec drops ``tensors`` (the planner's weight-free shell):
+    # the compute graph needs the shapes and types of the weights it reads.
+    graph_tensors: dict[str, TensorInfo] = field(default_factory=dict)
 
     @property
     def tied_embeddings(self) -> bool:
@@ -257,7 +260,7 @@ def model_spec(header: GGUFHeader) -> ModelSpec:
         n_rot=header.arch_int("rope.dimension_count", head_k) or head_k,
         recurrent_r=_recurrent_widths(header)[0], recurrent_s=_recurrent_widths(header)[1],
         params=sum(t.n_elements for t in header.tensors), file_type=_file_type(header), size_bytes=size,
-        tensors=header.tensors, notes=notes,
+        tensors=header.tensors, notes=notes, graph_tensors={t.name: t for t in header.tensors},
     )
 
 

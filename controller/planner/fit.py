@@ -4,8 +4,12 @@ Every answer comes from the memory estimator (``controller.estimate``) under the
 the service will run with, against each device's memory less a margin:
 
 * fully resident: the estimate (which already counts ~400 MiB of CUDA context per device) plus
-  ``RESIDENT_MARGIN_MIB`` must fit every card — the margin absorbs the estimator's error on CUDA
-  buffers and the few hundred MiB some drivers reserve;
+  ``RESIDENT_MARGIN_MIB`` must fit every card. For the architectures whose graph the estimator
+  mirrors, the compute buffers are the engine's own (its scheduler and allocator replayed on the
+  model's graph: equal to what the CUDA server allocated in every recorded case), so the margin only
+  has to hold what no buffer reports: the CUDA context, cuBLAS workspaces and the CUDA memory pool's
+  scratch beyond the 400 MiB counted (``MEASURED_UNACCOUNTED_MIB``), and the driver's reservation; for
+  other models it also absorbs the compute formula's error (``margin_reason`` says which per card);
 * expert offload (ik_llama.cpp ``--fit``): the engine itself keeps ``--fit-margin`` MiB free on
   each card and moves the experts of as many layers as needed to host RAM; the plan predicts how
   many, and refuses when even the non-expert weights plus KV and compute do not fit.
@@ -13,6 +17,10 @@ the service will run with, against each device's memory less a margin:
 Context comes first (the largest up to what was asked, or exactly what was asked), then the best
 cache type at that context: f16, then q8_0; q4_0 only when neither reaches the context required.
 A layer split moves whole layers, so the planner chooses how many go on each card.
+
+The host's share of a GPU plan (the token embeddings, any layers or experts left on the CPU, and the
+page-locked ``CUDA_Host`` compute and output buffers the CPU backend uses when a GPU exists) is the last
+entry of every ``device_mib``: host RAM the box must have besides the system's reserve.
 """
 
 from __future__ import annotations
@@ -21,11 +29,15 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from controller.estimate.memory import MIB, Settings, resolve_settings
+from controller.estimate.memory import CUDA_OVERHEAD_MIB, MIB, Settings, resolve_settings
 from controller.planner.specs import MemoryModel, SizedMemory, SpecMemory
 from controller.planner.topology import GpuSet
 
 RESIDENT_MARGIN_MIB = 768
+# GPU memory the CUDA server used beyond its reported buffers (weights, KV, compute): the "unaccounted"
+# column of the memory breakdown in the ten recorded cases on driver 580 (../shared/fixtures/gpu-h100-580):
+# 595-600 MiB, 696 MiB where flash attention ran on the CPU and every layer's K/V crossed to the host.
+MEASURED_UNACCOUNTED_MIB = (595, 696)
 FIT_MARGIN_MIB = 1664  # the kit's --fit-margin for Qwen on one 16 GB V100
 FIT_MARGIN_LONG_MIB = 2048  # the kit's margin above 131072 tokens of context
 LONG_CTX = 131072
@@ -64,6 +76,8 @@ class Fit:
     moe_layers: int = 0
     card_mib: tuple[int, ...] = ()  # memory of each card (ik_llama.cpp's --tensor-split)
     fit_margin: int = 0
+    host_pinned_mib: float = 0.0  # of device_mib[-1]: page-locked CUDA_Host compute and output buffers
+    compute_model: str = ""  # how the compute buffers were sized: "graph", "formula" or "allowance"
 
 
 @dataclass
@@ -105,6 +119,56 @@ def device_mib(model: MemoryModel, s: Settings, mtp: bool) -> list[float]:
         full = max(1, result.kv.layers - result.kv.swa_layers)
         values[len(s.gpus) - 1] += result.kv.bytes_per_token / full * result.kv.cells / MIB
     return values
+
+
+def _host_detail(model: MemoryModel, s: Settings) -> tuple[float, str]:
+    """The page-locked part of the host's share, and how the compute buffers were sized."""
+    if isinstance(model, SpecMemory):
+        result = model.rest(s)
+        plan = result.compute_plan
+        return result.host_pinned_mib, plan.model if plan is not None else "formula"
+    return 0.0, "allowance"
+
+
+def margin_reason(fit: Fit, card_ids: tuple[int, ...]) -> str:
+    """Per card: the estimate, what stays free, and why that is enough."""
+    free = [m - v for v, m in zip(fit.device_mib, fit.card_mib)]
+    cards = ", ".join(f"GPU {g}: {v:.0f} of {m} MiB, {f:.0f} MiB free"
+                      for g, v, m, f in zip(card_ids, fit.device_mib, fit.card_mib, free))
+    low, high = MEASURED_UNACCOUNTED_MIB
+    spare = CUDA_OVERHEAD_MIB + RESIDENT_MARGIN_MIB - high
+    if fit.fit_margin:
+        kept = (f"ik_llama.cpp's --fit keeps {fit.fit_margin} MiB free on each card itself and moves experts to "
+                f"the host until it does")
+    else:
+        kept = f"at least {RESIDENT_MARGIN_MIB} MiB is kept free on each card beyond the estimate"
+    if fit.compute_model == "graph":
+        why = (f"the estimate's compute buffers are the ones llama.cpp reserves (its scheduler and allocator "
+               f"replayed on this model's graph; equal to the CUDA server's in every recorded case) and weights "
+               f"and KV follow the loader's rules, so the margin only holds what no buffer reports: the CUDA "
+               f"context, cuBLAS workspaces and the memory pool's scratch, measured at {low}-{high} MiB in all on "
+               f"driver 580, against the {CUDA_OVERHEAD_MIB:.0f} MiB counted plus this margin ({spare:.0f} MiB "
+               f"to spare at the worst measured)")
+    elif fit.compute_model == "formula":
+        why = (f"this architecture's compute buffers come from a formula fitted to the CPU server (within 10 % "
+               f"or 32 MiB there, not checked against CUDA), so the margin also absorbs its error on top of the "
+               f"CUDA context and pool beyond the {CUDA_OVERHEAD_MIB:.0f} MiB counted (measured {low}-{high} MiB "
+               f"in all on driver 580)")
+    else:
+        why = ("without the model's shape the compute buffers are a flat allowance per card; the margin covers "
+               "what the allowance misses")
+    return f"memory per card: {cards}; {kept}: {why}"
+
+
+def host_reason(fit: Fit) -> str:
+    """The host RAM a GPU plan takes: its share of the weights and the page-locked buffers."""
+    host = fit.device_mib[-1] if fit.device_mib else 0.0
+    text = f"host RAM: {host:.0f} MiB for this service (token embeddings and anything left on the CPU"
+    if fit.host_pinned_mib:
+        text += (f", of which {fit.host_pinned_mib:.0f} MiB is page-locked CUDA_Host memory: the graph inputs the "
+                 f"GPU reads (KQ mask, token ids, embeddings of a micro-batch) and the logits, which cannot be "
+                 f"swapped out")
+    return text + "); counted against the box's free RAM with the system's reserve"
 
 
 def _fits(values: list[float], budgets: list[float]) -> bool:
@@ -245,7 +309,9 @@ def fit_resident(model: MemoryModel, req: Request, gpus: GpuSet, split: str) -> 
         return _miss(model, req, gpus, split, shares, budgets, max(largest.values()), "q4_0")
     cache, ctx = picked
     s = settings(model, req, gpus, ctx, cache, split, shares)
-    return Fit(ctx, cache, split, shares, device_mib(model, s, req.mtp), largest, card_mib=gpus.memory_mib)
+    pinned, how = _host_detail(model, s)
+    return Fit(ctx, cache, split, shares, device_mib(model, s, req.mtp), largest, card_mib=gpus.memory_mib,
+               host_pinned_mib=pinned, compute_model=how)
 
 
 def _miss(model: MemoryModel, req: Request, gpus: GpuSet | None, split: str, shares: tuple[float, ...],
@@ -288,9 +354,11 @@ def fit_offload(model: MemoryModel, req: Request, gpus: GpuSet) -> Fit | Miss:
     on_gpu = (n_moe_layers - layers) * per_layer_gpu
     room = [budget - base for base, budget in zip(all_cpu[:n], budgets)]
     gpu_mib = [base + on_gpu * free / max(sum(room), 1e-9) for base, free in zip(all_cpu[:n], room)]
-    cpu_mib = resident[n] + layers * per_layer_cpu
+    cpu_mib = resident[n] + layers * per_layer_cpu  # includes the page-locked compute and output buffers
+    pinned, how = _host_detail(model, settings(model, req, gpus, ctx, cache, split, shares, cpu_moe=True))
     return Fit(ctx, cache, split, tuple(float(m) for m in shares), gpu_mib + [cpu_mib], largest,
-               cpu_moe_layers=layers, moe_layers=n_moe_layers, fit_margin=margin, card_mib=gpus.memory_mib)
+               cpu_moe_layers=layers, moe_layers=n_moe_layers, fit_margin=margin, card_mib=gpus.memory_mib,
+               host_pinned_mib=pinned, compute_model=how)
 
 
 def fit_cpu(model: MemoryModel, req: Request, ram_budget_mib: float) -> Fit | Miss:

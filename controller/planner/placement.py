@@ -300,7 +300,8 @@ def _resident(entry: ModelEntry, model: MemoryModel, want: WantedModel,
                 engine = _engine(ctx.catalog, family, nccl=nccl, preferred=entry.engine, archs=archs)
                 reasons = [_engine_reason(entry, engine, split=split, instead_of=first if family != first else None),
                            _cards_reason(ctx, gset, engine), *_placement_reasons(entry, gset, fit, split, engine, ctx,
-                                                                                 req)]
+                                                                                 req),
+                           fitting.margin_reason(fit, gset.gpus), fitting.host_reason(fit)]
                 return Placement(gset, fit, engine, False, reasons, req.ubatch)
     return last_miss
 
@@ -321,7 +322,8 @@ def _offload(entry: ModelEntry, model: MemoryModel, want: WantedModel, ctx: Cont
         return result
     engine = _engine(ctx.catalog, family, preferred=entry.engine, archs={ctx.pool.gpus[i].arch for i in gset.gpus})
     reasons = [_engine_reason(entry, engine, offload=True), _cards_reason(ctx, gset, engine),
-               *_offload_reasons(entry, gset, result, engine, req, resident_miss)]
+               *_offload_reasons(entry, gset, result, engine, req, resident_miss),
+               fitting.margin_reason(result, gset.gpus), fitting.host_reason(result)]
     return Placement(gset, result, engine, True, reasons, req.ubatch)
 
 
@@ -500,6 +502,11 @@ def place_gpu(entry: ModelEntry, model: MemoryModel, want: WantedModel, ctx: Con
                 f"already given to a larger model planned first; list fewer models or add cards")
     resident = _resident(entry, model, want, ctx)
     if isinstance(resident, Placement):
+        host_need = resident.fit.device_mib[-1] + HOST_RESERVE_MIB  # the pinned CUDA_Host buffers included
+        if ctx.ram_free_mib is not None and host_need > ctx.ram_free_mib:
+            return (f"{entry.id} ({fitting.weights_mib(model)} MiB weights) fits the cards but needs "
+                    f"{mib(resident.fit.device_mib[-1])} of host RAM beside them (token embeddings and page-locked "
+                    f"buffers) plus {HOST_RESERVE_MIB} MiB for the system, and only {mib(ctx.ram_free_mib)} is free")
         return resident
     gset, miss = resident if resident else (None, None)
     if not entry.moe:

@@ -1,0 +1,33 @@
+"""A GPU plan says how much each card keeps free and why that is enough, and counts its page-locked host memory."""
+
+from __future__ import annotations
+
+from controller.planner.placement import HOST_RESERVE_MIB
+from tests.unit.planner.helpers import SINGLE, only, plan, profile
+
+GRAPH_MODEL = "qwen3-4b-instruct-2507-q8_0"  # qwen3: its graph is mirrored, compute buffers as the engine sizes them
+FORMULA_MODEL = "gemma4-26b-a4b-qat-q4_0"  # gemma4: compute from the formula
+
+
+def _reason(service, start: str) -> str:
+    return next(r for r in service.reasons if r.startswith(start))
+
+
+def test_each_card_says_what_it_keeps_free_and_why_that_is_enough() -> None:
+    service = only(plan(SINGLE, GRAPH_MODEL))
+    margin = _reason(service, "memory per card:")
+    assert "GPU 0:" in margin and "of 16384 MiB" in margin and "MiB free" in margin
+    assert "at least 768 MiB is kept free" in margin
+    assert "llama.cpp reserves" in margin and "595-696 MiB" in margin and "to spare" in margin
+    formula = _reason(only(plan(SINGLE, FORMULA_MODEL)), "memory per card:")
+    assert "formula fitted to the CPU server" in formula
+
+
+def test_the_page_locked_host_buffers_are_counted_against_host_ram() -> None:
+    service = only(plan(SINGLE, GRAPH_MODEL))
+    host = _reason(service, "host RAM:")
+    assert "page-locked CUDA_Host memory" in host and "KQ mask" in host
+    small = profile(SINGLE).model_copy(update={"memory_mib": HOST_RESERVE_MIB + 64})
+    refused = plan(small, GRAPH_MODEL)
+    assert not refused.services
+    assert "host RAM" in refused.unplaced[0].reason and "page-locked" in refused.unplaced[0].reason
