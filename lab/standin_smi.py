@@ -1,11 +1,12 @@
 """A stand-in ``nvidia-smi`` for the lab's systemd target: it prints captured outputs.
 
 The lab has no GPU, yet the live probe (the script, SSH, the parsers) should run for real against a
-real Linux box. This installs a small sh script as ``/usr/local/bin/nvidia-smi`` in a target
+real Linux box. This installs a small sh script as ``/usr/bin/nvidia-smi`` in a target
 container that answers each argument form the probe uses with a captured output:
 
     nvidia-smi --query-gpu=... --format=csv  -> nvidia-smi-query.csv
     nvidia-smi                               -> nvidia-smi.txt
+    nvidia-smi -q                            -> nvidia-smi-q.txt
     nvidia-smi topo -m                       -> nvidia-smi-topo.txt
     nvidia-smi nvlink -s                     -> nvidia-smi-nvlink.txt
     nvidia-smi --query-gpu=SAMPLE_QUERY --format=csv,noheader,nounits  -> nvidia-smi-sample.csv
@@ -30,11 +31,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
-STANDIN_PATH = "/usr/local/bin/nvidia-smi"
+STANDIN_PATH = "/usr/bin/nvidia-smi"  # where the driver puts it: root services call it by this path
 CAPTURE_DIR = "/usr/local/share/v100box-standin-smi"
 CALL_LOG = "/var/log/v100box-standin-smi.calls"
 
-SMI_FILES = ("nvidia-smi-query.csv", "nvidia-smi.txt", "nvidia-smi-topo.txt", "nvidia-smi-nvlink.txt")
+SMI_FILES = ("nvidia-smi-query.csv", "nvidia-smi.txt", "nvidia-smi-q.txt", "nvidia-smi-topo.txt",
+             "nvidia-smi-nvlink.txt")
 """The captured outputs the stand-in can print, named as in the ``--from-dir`` contract."""
 
 SAMPLE_QUERY = ("index,uuid,temperature.gpu,temperature.memory,power.draw,power.limit,clocks.sm,clocks.mem,"
@@ -76,6 +78,7 @@ def standin_script(capture_dir: str = CAPTURE_DIR, call_log: str = CALL_LOG) -> 
         "  '-i '[0-9]*' -pl '[0-9]*) echo \"Power limit for GPU $2 was set to $4 W (stand-in).\" ;;",
         f"  --query-gpu=*' --format=csv') {answer('nvidia-smi-query.csv')} ;;",
         f"  '') {answer('nvidia-smi.txt')} ;;",
+        f"  '-q') {answer('nvidia-smi-q.txt')} ;;",
         f"  'topo -m') {answer('nvidia-smi-topo.txt')} ;;",
         f"  'nvlink -s') {answer('nvidia-smi-nvlink.txt')} ;;",
         '  *) echo "stand-in nvidia-smi: no captured output for: $*" >&2; exit 9 ;;',

@@ -90,7 +90,6 @@ gpu_error:
 import hashlib
 import json
 import os
-import shutil
 
 from ansible.module_utils.basic import AnsibleModule
 
@@ -204,8 +203,8 @@ def parse_gpus(text):
 
 
 def read_gpus(run):
-    smi = shutil.which("nvidia-smi") or next((path for path in ("/usr/bin/nvidia-smi", "/usr/local/bin/nvidia-smi")
-                                               if os.access(path, os.X_OK)), None)
+    # Where the driver installs it; run as root, so never looked up on PATH.
+    smi = "/usr/bin/nvidia-smi" if os.access("/usr/bin/nvidia-smi", os.X_OK) else None
     if smi is None:
         return [], "nvidia-smi not found"
     rc, out, err = run([smi, "--query-gpu=" + GPU_QUERY, "--format=csv"])

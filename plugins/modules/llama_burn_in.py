@@ -153,7 +153,6 @@ gpu_sampled:
 
 import json
 import os
-import shutil
 import subprocess
 import threading
 import time
@@ -370,8 +369,8 @@ def read_unit(name):
 
 
 def find_smi():
-    return shutil.which("nvidia-smi") or next(
-        (path for path in ("/usr/bin/nvidia-smi", "/usr/local/bin/nvidia-smi") if os.access(path, os.X_OK)), None)
+    # Where the driver installs it; run as root, so never looked up on PATH.
+    return "/usr/bin/nvidia-smi" if os.access("/usr/bin/nvidia-smi", os.X_OK) else None
 
 
 def sample_gpus(smi):

@@ -292,3 +292,28 @@ def test_a_workstation_of_the_fleet_gets_the_clients_wired_to_the_box(fleet_file
     again = controller("provision", "desk", "--fleet", str(path), "--json")  # converged: nothing changes
     summary = next(json.loads(line) for line in again.stdout.splitlines() if '"type": "summary"' in line)
     assert again.returncode == 0 and summary["hosts"]["desk"]["changed"] == 0, again.stdout[-3000:]
+
+    # The account's own links never lead root's writes or reads out of its home (issue: root from a user's home).
+    # Root's files the links point at, as they were before the run: owner, mode and content.
+    station.exec("mkdir -p /etc/llama/keys && printf 'root-key\\n' > /etc/llama/keys/lab1.key && chmod 600 "
+                 "/etc/llama/keys/lab1.key && printf 'root only\\n' > /root/secret.json && chmod 600 /root/secret.json")
+    watched = ["/usr/local/bin", "/etc/llama/keys", "/etc/llama/keys/lab1.key", "/root/secret.json"]
+    before = station.exec(["stat", "-c", "%n %U %G %a %s %Y", *watched])
+    sums = station.exec(["sha256sum", "/etc/llama/keys/lab1.key", "/root/secret.json"])
+    attacks = {
+        "/home/dev/.local/bin": "/usr/local/bin",
+        "/home/dev/.config/v100-llm-box/keys": "/etc/llama/keys",
+        "/home/dev/.openclaw/openclaw.json": "/root/secret.json",
+    }
+    for link, target in attacks.items():
+        station.exec(["su", "-", "dev", "-c", f"rm -rf {link} && ln -s {target} {link}"])
+        done = controller("provision", "desk", "--fleet", str(path), "--json")
+        assert done.returncode == 5, done.stdout[-3000:] + done.stderr[-3000:]
+        assert f"{link} is a symbolic link" in done.stderr.strip().splitlines()[-1], done.stderr[-2000:]
+        assert station.exec(["stat", "-c", "%n %U %G %a %s %Y", *watched]) == before, link
+        assert station.exec(["sha256sum", "/etc/llama/keys/lab1.key", "/root/secret.json"]) == sums, link
+        assert "root only" not in station.exec(["su", "-", "dev", "-c", "cat ~/.openclaw/* 2>/dev/null; true"])
+        station.exec(["su", "-", "dev", "-c", f"rm -f {link}"])
+    done = controller("provision", "desk", "--fleet", str(path), "--json")  # the links gone: wired again
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert station.exec(["stat", "-c", "%a %U", "/home/dev/.local/bin/claude-tiny-llama"]).strip() == "700 dev"

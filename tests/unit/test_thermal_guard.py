@@ -145,7 +145,7 @@ def test_act_stops_each_service_and_logs_a_failure_as_an_error(tmp_path, monkeyp
     monkeypatch.setattr(guard, "run", fake_run)
     log = guard.Log(str(tmp_path / "events.jsonl"))
     guard.act(CONFIG, guard.Step("stop", 0, 86.0, None, "hot"), log)
-    assert calls == [["systemctl", "stop", "llama-a.service"], ["systemctl", "stop", "llama-b.service"]]
+    assert calls == [["/usr/bin/systemctl", "stop", "llama-a.service"], ["/usr/bin/systemctl", "stop", "llama-b.service"]]
     records = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["service"]) for r in records] == [("stop", "llama-a.service"), ("error", "llama-b.service")]
     assert "not loaded" in records[1]["message"]

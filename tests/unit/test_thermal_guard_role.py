@@ -84,8 +84,17 @@ def test_the_units_run_the_installed_script_and_order_the_limits_before_the_serv
     assert _lines(power, "Before") == ["llama-qwen.service llama-gemma.service"]
     assert "nvidia-persistenced.service" in _lines(power, "After")[0]
     assert shlex.split(_lines(power, "ExecStart")[0])[3:] == [
-        "power-limit", "--config", "/etc/v100box/power-limit.json", "--state", "/var/lib/v100box/power-limit.json"]
+        "power-limit", "--config", "/etc/v100box/power-limit.json", "--state", "/var/lib/v100box/power-limit.json",
+        "--nvidia-smi", "/usr/bin/nvidia-smi"]
     assert _lines(power, "WantedBy") == ["multi-user.target"]
+
+
+def test_the_root_units_never_look_a_tool_up_in_usr_local(linux):
+    """Both units run as root: an nvidia-smi or systemctl dropped in /usr/local/bin must never run."""
+    config = guard.Config.load(str(linux / "thermal-guard.json"))
+    assert (config.nvidia_smi, config.systemctl) == ("/usr/bin/nvidia-smi", "/usr/bin/systemctl")
+    for unit in ("v100box-thermal-guard.service", "v100box-power-limit.service"):
+        assert _lines(linux / unit, "Environment") == ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], unit
 
 
 def test_the_guard_unit_is_hardened(linux):

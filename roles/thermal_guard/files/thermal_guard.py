@@ -51,7 +51,9 @@ class Config:
     max_restarts: int = 3
     events: str = "/var/lib/v100box/thermal-guard/events.jsonl"
     state: str = "/var/lib/v100box/thermal-guard/state.json"
-    nvidia_smi: str = "nvidia-smi"
+    # Absolute paths: a root service never looks a tool up on PATH (/usr/local/bin comes first there).
+    nvidia_smi: str = "/usr/bin/nvidia-smi"
+    systemctl: str = "/usr/bin/systemctl"
 
     @classmethod
     def load(cls, path: str) -> Config:
@@ -271,7 +273,7 @@ def act(config: Config, step: Step, log: Log) -> None:
         log.write(event(step, None, when, step.message + " (this box has none to manage)"))
         return
     for service in config.services:
-        code, out = run(["systemctl", step.kind, service], timeout=120)
+        code, out = run([config.systemctl, step.kind, service], timeout=120)
         if code == 0:
             log.write(event(step, service, when))
         else:
@@ -352,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     power = commands.add_parser("power-limit", help="apply the GPU power limits")
     power.add_argument("--config", required=True)
     power.add_argument("--state", default="/var/lib/v100box/power-limit.json")
-    power.add_argument("--nvidia-smi", default="nvidia-smi")
+    power.add_argument("--nvidia-smi", default="/usr/bin/nvidia-smi")
     power.add_argument("--reset", action="store_true", help="put the recorded GPUs back to their default limit")
     args = parser.parse_args(argv)
     os.umask(0o022)
