@@ -15,6 +15,18 @@ so both see the same load; on a small machine the client, HAProxy and the server
 the difference also holds HAProxy's share of the CPU.
 
     .venv/bin/python benchmarks/gateway_bench.py --concurrency 1 8 32 --requests 128
+
+Slow clients (issue 19): with --slow-clients N..., N clients without a key each open a connection, send the
+headers of a request announcing a body and only the start of that body, and hold the connection; meanwhile
+--requests keyed streaming requests (--slow-concurrency at once, each given up after --slow-timeout seconds) go
+through the gateway, and the same requests go without the slow clients. It prints how many slow connections the
+gateway still held a second after they opened (the rest were answered, or closed as they arrived) and the keyed
+requests' p50/p95 time to the last byte, a lost request counted at the time it was given up. The slow clients
+come from 127.0.0.2, the keyed requests from 127.0.0.1: one attacking address and one client, the gateway
+limiting connections per address. --slow-kind headers sends only part of the headers instead. --template
+renders another version of the role's template (an earlier one, for a before/after):
+
+    .venv/bin/python benchmarks/gateway_bench.py --concurrency --slow-clients 1100 --requests 64
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ import argparse
 import http.client
 import json
 import secrets
+import socket
 import statistics
 import subprocess
 import sys
@@ -80,6 +93,45 @@ def _run(ports: dict[str, int], bodies: list[tuple[str, bytes]], key: str, worke
         return list(pool.map(one, bodies))
 
 
+SLOW_SOURCE = "127.0.0.2"
+# A request whose client stalls: the headers announce a body of which only the start (no model yet) is sent.
+_SLOW_HEADERS = b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\ncontent-type: application/json\r\n"
+_SLOW = {"body": _SLOW_HEADERS + b"content-length: 4096\r\n\r\n{\"messages\": [", "headers": _SLOW_HEADERS}
+
+
+def _open_slow(port: int, count: int, kind: str) -> list[socket.socket]:
+    """``count`` keyless clients from SLOW_SOURCE that send part of a request and then nothing."""
+    held = []
+    for _ in range(count):
+        sock = socket.socket()
+        try:
+            sock.bind((SLOW_SOURCE, 0))
+            sock.settimeout(2)
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(_SLOW[kind])
+        except OSError:  # refused, or closed by the gateway as it arrived
+            sock.close()
+            continue
+        held.append(sock)
+    return held
+
+
+def _slow_states(sockets: list[socket.socket]) -> dict[str, int]:
+    """How each slow connection stands: held (no answer, still open), answered with a status, or closed."""
+    states: dict[str, int] = {}
+    for sock in sockets:
+        sock.setblocking(False)
+        try:
+            head = sock.recv(12, socket.MSG_PEEK)
+            state = head[9:12].decode() if head.startswith(b"HTTP/1.") else "closed"
+        except BlockingIOError:
+            state = "held"
+        except OSError:
+            state = "closed"
+        states[state] = states.get(state, 0) + 1
+    return states
+
+
 def _percentile(values: list[float], fraction: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
@@ -104,15 +156,25 @@ def _haproxy_pids(master: int) -> list[int]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32],
+                        help="levels of concurrent requests (1..32); none: only the slow cases")
     parser.add_argument("--requests", type=int, default=64, help="requests per level (at most 512)")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--parallel", type=int, default=4, help="slots of each llama-server")
     parser.add_argument("--deadline", type=float, default=600.0, help="stop starting levels after this many seconds")
     parser.add_argument("--rounds", type=int, default=3, help="alternating direct/gateway rounds per level (1..5)")
+    parser.add_argument("--slow-clients", type=int, nargs="*", default=[],
+                        help="keyless slow clients held open during the keyed requests of each slow case (1..4000)")
+    parser.add_argument("--slow-kind", choices=sorted(_SLOW), default="body",
+                        help="what a slow client sends: the headers and the start of the body, or part of the headers")
+    parser.add_argument("--slow-concurrency", type=int, default=4, help="keyed requests at once in the slow cases")
+    parser.add_argument("--slow-timeout", type=float, default=10.0, help="a keyed request is lost after this long")
+    parser.add_argument("--template", type=Path, help="render this haproxy.cfg.j2 instead of the role's")
     args = parser.parse_args()
     if not all(1 <= n <= 32 for n in args.concurrency) or not 1 <= args.requests <= 512 or not 1 <= args.rounds <= 5:
         parser.error("--concurrency takes values 1..32, --requests 1..512 and --rounds 1..5")
+    if not all(1 <= n <= 4000 for n in args.slow_clients) or not 1 <= args.slow_concurrency <= 32:
+        parser.error("--slow-clients takes values 1..4000 and --slow-concurrency 1..32")
     began = time.monotonic()
     key, server_key = secrets.token_hex(16), secrets.token_hex(16)
     server = engine_build.build() / "llama-server"
@@ -131,7 +193,8 @@ def main() -> int:
         routes = [{"model": model, "box": "bench", "service": f"llama-{model}", "host": "127.0.0.1",
                    "port": running[model].port, "local": True} for model in MODELS]
         config = haproxy.render_config(folder / "gateway", {
-            "llm_gateway_routes": routes, "llm_gateway_port": port, "llm_gateway_metrics_port": metrics})
+            "llm_gateway_routes": routes, "llm_gateway_port": port, "llm_gateway_metrics_port": metrics},
+            args.template)
         credentials = folder / "credentials"
         credentials.mkdir(mode=0o700)
         (credentials / "api-key").write_text(key + "\n")
@@ -151,8 +214,9 @@ def main() -> int:
               f"of {args.requests} streaming requests ({args.max_tokens} tokens, both APIs) directly, then through "
               f"the gateway")
         print(f"idle gateway RSS: {_rss_kib(_haproxy_pids(gateway.pid)) / 1024:.1f} MiB")
-        print(f"{'N':>3} {'ok':>4} {'refused':>8} {'lost':>5} {'gw p50':>8} {'gw p95':>8} {'direct p50':>10} "
-              f"{'direct p95':>10} {'added p50':>10} {'added p95':>10} {'gw RSS':>8}")
+        if args.concurrency:
+            print(f"{'N':>3} {'ok':>4} {'refused':>8} {'lost':>5} {'gw p50':>8} {'gw p95':>8} {'direct p50':>10} "
+                  f"{'direct p95':>10} {'added p50':>10} {'added p95':>10} {'gw RSS':>8}")
         direct_ports = {model: running[model].port for model in MODELS}
         gateway_ports = dict.fromkeys(MODELS, port)
         lost_total = 0
@@ -181,8 +245,47 @@ def main() -> int:
                   f"{statistics.median(straight) * 1000:>8.1f}ms {_percentile(straight, 0.95) * 1000:>8.1f}ms "
                   f"{statistics.median(added):>8.2f}ms {_percentile(added, 0.95):>8.2f}ms {rss:>6.1f}MiB"
                   + (f"  lost: {sorted(set(lost))}" if lost else ""))
+        if args.slow_clients:
+            lost_total += _slow_cases(args, port, key, gateway.pid)
         print(f"total wall time {time.monotonic() - began:.0f} s; requests lost: {lost_total}")
     return 1 if lost_total else 0
+
+
+def _slow_cases(args: argparse.Namespace, port: int, key: str, master: int) -> int:
+    """Keyed requests through the gateway alone, then while each number of slow clients holds its connections."""
+    sends = {"body": "the headers and the start of a 4096-byte body", "headers": "part of the headers"}
+    print(f"slow clients from {SLOW_SOURCE}, no key, each sends {sends[args.slow_kind]} and holds; "
+          f"{args.requests} keyed requests from 127.0.0.1, {args.slow_concurrency} at once, lost after "
+          f"{args.slow_timeout:.0f} s; times to the last byte, a lost request counted at the time it was given up")
+    print(f"{'slow':>5} {'held':>5} {'slow answered':>24} {'ok':>4} {'lost':>5} {'p50':>9} {'p95':>9} "
+          f"{'alone p50':>10} {'alone p95':>10} {'gw RSS':>8}")
+    bodies = _bodies(args.requests, args.max_tokens)
+    gateway_ports = dict.fromkeys(MODELS, port)
+    lost_total = 0
+    for count in args.slow_clients:
+        alone = _run(gateway_ports, bodies, key, args.slow_concurrency, args.slow_timeout)
+        sockets = _open_slow(port, count, args.slow_kind)
+        try:
+            time.sleep(1)
+            states = _slow_states(sockets)
+            if count > len(sockets):  # closed while opening
+                states["closed"] = states.get("closed", 0) + count - len(sockets)
+            held = states.pop("held", 0)
+            loaded = _run(gateway_ports, bodies, key, args.slow_concurrency, args.slow_timeout)
+            rss = _rss_kib(_haproxy_pids(master)) / 1024
+        finally:
+            for sock in sockets:
+                sock.close()
+        lost = [error for status, _t, error in loaded if status is None]
+        lost_total += len(lost)
+        times, alone_times = [t for _s, t, _e in loaded], [t for _s, t, _e in alone]
+        print(f"{count:>5} {held:>5} {json.dumps(states, sort_keys=True) if states else '-':>24} "
+              f"{sum(s == 200 for s, _t, _e in loaded):>4} {len(lost):>5} "
+              f"{statistics.median(times) * 1000:>7.1f}ms {_percentile(times, 0.95) * 1000:>7.1f}ms "
+              f"{statistics.median(alone_times) * 1000:>8.1f}ms {_percentile(alone_times, 0.95) * 1000:>8.1f}ms "
+              f"{rss:>6.1f}MiB" + (f"  lost: {sorted(set(lost))}" if lost else ""))
+        time.sleep(1)  # let the gateway take the closed slow connections off before the next case
+    return lost_total
 
 
 if __name__ == "__main__":

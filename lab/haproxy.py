@@ -55,16 +55,22 @@ _PLAYBOOK = """
   tasks:
     - name: Render the gateway configuration
       ansible.builtin.template:
-        src: {role}/templates/haproxy.cfg.j2
+        src: {template}
         dest: {out}/haproxy.cfg
         mode: "0644"
 """
 
 
-def render_config(folder: Path, variables: dict) -> Path:
-    """roles/llm_gateway's haproxy.cfg for ``variables`` (llm_gateway_*), its tables in ``folder``."""
+def render_config(folder: Path, variables: dict, template: Path | None = None) -> Path:
+    """roles/llm_gateway's haproxy.cfg for ``variables`` (llm_gateway_*), its tables in ``folder``.
+
+    ``template``: another version of the role's template (a benchmark's before and after), rendered with the
+    role's current defaults and variables.
+    """
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "play.yml").write_text(_PLAYBOOK.format(role=ROOT / "roles" / "llm_gateway", out=folder))
+    role = ROOT / "roles" / "llm_gateway"
+    (folder / "play.yml").write_text(_PLAYBOOK.format(role=role, out=folder,
+                                                      template=template or role / "templates" / "haproxy.cfg.j2"))
     (folder / "vars.json").write_text(json.dumps({**variables, "_llm_gateway_dir": str(folder),
                                                   "ansible_python_interpreter": sys.executable}))
     done = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,",

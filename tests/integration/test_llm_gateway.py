@@ -1,8 +1,10 @@
 """The gateway end to end: `controller provision` of a box with two models and a gateway (roles/llm_gateway,
 HAProxy from Debian's packages, its own systemd unit) on the systemd target, then through the gateway: routing
 by model name on both APIs, streams byte for byte as the server sent them, a ~500 KB body, unknown models,
-wrong and missing keys (never logged), a stopped service (an error naming model and box within a second), and
-the real Claude Code CLI completing a turn. A route to a box with no plan, or to one nothing answers at, stops
+wrong and missing keys (never logged), only the documented endpoints reaching a server, clients that stall
+(keyless ones refused before their body, one address holding at most its share of the connections, stalled
+requests timed out), a stopped service (an error naming model and box within a second), and the real Claude
+Code CLI completing a turn. A route to a box with no plan, or to one nothing answers at, stops
 provisioning with a line naming that box.
 
 HAProxy comes from Debian 12's packages, fetched once on the host (cached under
@@ -15,7 +17,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import selectors
 import shutil
+import socket
 import subprocess
 import time
 from functools import partial
@@ -42,6 +46,7 @@ MODELS = (LabModel("tiny-gw-a", "tiny-gw-a-q8_0.gguf", "llama"), LabModel("tiny-
 CTX = 32768  # Claude Code's system prompt and tools are ~15k tokens
 
 controller = partial(run_controller, timeout=900)
+DEFAULTS = yaml.safe_load((Path(__file__).resolve().parents[2] / "roles/llm_gateway/defaults/main.yml").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +221,117 @@ def test_wrong_or_missing_key_is_401_and_never_logged(gateway, box):
     for secret in (GATEWAY_KEY, WRONG_KEY, API_KEY):  # ... their keys never
         assert secret not in journal
     assert GATEWAY_KEY not in box.exec("cat /etc/llm-gateway/haproxy.cfg; ps -eo args")
+
+
+def test_only_the_documented_endpoints_reach_a_server(gateway):
+    headers = {"x-api-key": GATEWAY_KEY}
+    # Each of these the server answers (with the server's key the gateway would add), each names a served model.
+    for method, path, body in (("POST", "/tokenize", {"model": "tiny-gw-a", "content": "hello"}),
+                               ("GET", "/props", None), ("POST", "/props", {"model": "tiny-gw-a"}),
+                               ("GET", "/metrics", None), ("GET", "/slots", None),
+                               ("POST", "/v1/embeddings", {"model": "tiny-gw-a", "input": "hello"}),
+                               ("POST", "/v1/responses", {"model": "tiny-gw-a", "input": "hello"}),
+                               ("GET", "/v1/chat/completions", {"model": "tiny-gw-a"})):
+        response = httpx.request(method, f"{gateway}{path}", json=body, headers=headers, timeout=10)
+        assert response.status_code == 404, (method, path, response.text)
+        error = response.json()["error"]
+        assert error["type"] == "not_found_error" and error["message"].startswith(
+            f"gateway: no endpoint {method} {path} here; the gateway serves POST /v1/chat/completions"), error
+    assert httpx.get(f"{gateway}/props", timeout=10).status_code == 401  # without the key: the key check first
+    counted = httpx.post(f"{gateway}/v1/messages/count_tokens", json=_chat("tiny-gw-a"), headers=headers, timeout=10)
+    assert counted.status_code == 200 and counted.json()["input_tokens"] > 0, counted.text
+
+
+def _stalled(port: int, count: int, source: str, data: bytes) -> tuple[list[socket.socket], int]:
+    """``count`` connections from ``source`` that send ``data`` (part of a request), then nothing; and how many
+    of them the gateway closed before ``data`` was sent."""
+    opened = []
+    for _ in range(count):
+        sock = socket.socket()
+        try:
+            sock.bind((source, 0))
+            sock.settimeout(5)
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(data)
+        except OSError:
+            sock.close()
+            continue
+        opened.append(sock)
+    return opened, count - len(opened)
+
+
+def _answers(sockets: list[socket.socket], wait: float) -> list[tuple[bytes, float | None]]:
+    """Per connection, what the gateway sent and after how many seconds it closed it (None: still open)."""
+    started = time.monotonic()
+    received: list[bytes] = [b""] * len(sockets)
+    closed: list[float | None] = [None] * len(sockets)
+    with selectors.DefaultSelector() as selector:
+        for index, sock in enumerate(sockets):
+            sock.setblocking(False)
+            selector.register(sock, selectors.EVENT_READ, index)
+        while selector.get_map() and time.monotonic() < started + wait:
+            for key, _events in selector.select(timeout=0.2):
+                try:
+                    data = key.fileobj.recv(65536)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                received[key.data] += data
+                if not data:
+                    closed[key.data] = time.monotonic() - started
+                    selector.unregister(key.fileobj)
+    return list(zip(received, closed))
+
+
+def _keyed(gateway: str) -> tuple[httpx.Response, float]:
+    started = time.monotonic()
+    response = httpx.post(f"{gateway}/v1/chat/completions", json=_chat("tiny-gw-a"), timeout=10,
+                          headers={"x-api-key": GATEWAY_KEY})
+    return response, time.monotonic() - started
+
+
+def test_keyless_clients_that_never_send_their_body_hold_nothing(gateway, fleet):
+    # More than the gateway's connections, from another address than the keyed client's.
+    assert DEFAULTS["llm_gateway_maxconn"] < 1100
+    head = b"POST /v1/messages HTTP/1.1\r\nHost: gw\r\ncontent-type: application/json\r\ncontent-length: 4096\r\n\r\n"
+    slow, _closed_at_once = _stalled(fleet["gateway"]["port"], 1100, "127.0.0.2", head + b'{"messages": [')
+    try:
+        response, elapsed = _keyed(gateway)
+        assert response.status_code == 200 and elapsed < 3, (response.status_code, elapsed)
+        answers = _answers(slow, wait=3)
+        assert all(seconds is not None for _data, seconds in answers), "the gateway still waits on keyless clients"
+        refused = [data for data, _seconds in answers if data]  # the others were closed as they arrived
+        assert refused and all(data.startswith(b"HTTP/1.1 401") and b"authentication_error" in data
+                               for data in refused), refused[:3]
+    finally:
+        for sock in slow:
+            sock.close()
+
+
+def test_one_address_holds_its_share_and_stalled_requests_time_out(gateway, fleet):
+    share, limit_s = DEFAULTS["llm_gateway_maxconn_per_source"], DEFAULTS["llm_gateway_request_timeout_s"]
+    port = fleet["gateway"]["port"]
+    # Headers never finished, from one address: it gets its share of the connections, its next ones are closed.
+    slow, closed_at_once = _stalled(port, share + 100, "127.0.0.3", b"POST /v1/messages HTTP/1.1\r\nHost: gw\r\n")
+    # A keyed client whose body stalls before its model.
+    head = (f"POST /v1/messages HTTP/1.1\r\nHost: gw\r\nx-api-key: {GATEWAY_KEY}\r\n"
+            "content-type: application/json\r\ncontent-length: 4096\r\n\r\n").encode()
+    stalled, _ = _stalled(port, 1, "127.0.0.1", head + b'{"messages": [')
+    try:
+        response, elapsed = _keyed(gateway)  # another address: not counted with 127.0.0.3's
+        assert response.status_code == 200 and elapsed < 3, (response.status_code, elapsed)
+        answers = _answers(slow + stalled, wait=limit_s + 5)
+        held = [(data, seconds) for data, seconds in answers[:-1] if seconds is None or seconds > 1]
+        assert len(held) == share and closed_at_once + len(answers) - 1 - len(held) == 100, (len(held), closed_at_once)
+        assert all(seconds is not None and data.startswith(b"HTTP/1.1 408") for data, seconds in held), held[:3]
+        data, seconds = answers[-1]
+        assert seconds is not None and limit_s - 1 < seconds < limit_s + 3, seconds
+        assert data.startswith(b"HTTP/1.1 408") and json.loads(data.split(b"\r\n\r\n", 1)[1])["error"] == {
+            "type": "invalid_request_error", "message": f"gateway: the request did not arrive within {limit_s} s"}
+    finally:
+        for sock in slow + stalled:
+            sock.close()
 
 
 def test_a_stopped_service_is_an_error_naming_model_and_box_within_a_second(gateway, fleet, box):
