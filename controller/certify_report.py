@@ -28,6 +28,7 @@ from controller.files import write_atomic
 
 PDF_TIMEOUT_S = 90
 EVENTS_SHOWN = 200  # thermal guard events listed in the page; the JSON report keeps them all
+WINDOW_REQUESTS = 5  # the burn-in's generation speed is shown as the median of each run of this many requests
 BROWSERS = ("chromium", "chromium-browser")
 DASH = "—"
 _SVG_LOCK = threading.Lock()  # rc_context changes matplotlib's process-wide settings while a plot is saved
@@ -95,8 +96,8 @@ def _fmt(value: Any) -> str:
         return f"{value:.1f}" if not value.is_integer() else str(int(value))
     if isinstance(value, list | tuple):
         return ", ".join(_fmt(item) for item in value)
-    if isinstance(value, dict):
-        return json.dumps(value, sort_keys=True, default=str)
+    if isinstance(value, dict):  # read, not parsed: "key value; key value"
+        return "; ".join(f"{_name(key)} {_fmt(item)}" for key, item in value.items()) or DASH
     return str(value)
 
 
@@ -124,8 +125,19 @@ def _dict_table(rows: list[dict[str, Any]], known: list[tuple[str, str]], mono: 
     extra = [key for row in rows for key in row if key not in dict(known)]
     keys = [(key, label) for key, label in known if any(key in row for row in rows)]
     keys += [(key, _name(key)) for key in dict.fromkeys(extra)]
+    mono = (*mono, *(key for key in dict.fromkeys(extra) if _identifiers(row.get(key) for row in rows)))
     return Table([label for _, label in keys], [[_fmt(row.get(key)) for key, _ in keys] for row in rows],
                  frozenset(i for i, (key, _) in enumerate(keys) if key in mono))
+
+
+def _identifiers(values: Any) -> bool:
+    """Whether a column nobody labelled holds hashes, paths or file names (set in monospace, wrapped anywhere)."""
+    texts = [value for value in values if isinstance(value, str) and value]
+    return bool(texts) and all(" " not in text and (_HEXISH.fullmatch(text) or "/" in text or "." in text)
+                               for text in texts)
+
+
+_HEXISH = re.compile(r"(?:sha256:)?[0-9a-fA-F]{16,}")
 
 
 def _name(key: Any) -> str:
@@ -241,16 +253,19 @@ def _installed(report: dict[str, Any]) -> Section:
     blocks: list[Any] = []
     parts = [
         ("Engines", "engines", [("id", "Engine"), ("slot", "Slot"), ("commit", "Commit"), ("version", "Version"),
-                                ("previous", "Previous"), ("sha256", "Pack sha256")],
-         ("id", "commit", "version", "previous", "sha256")),
-        ("Model files", "models", [("file", "File"), ("sha256", "sha256"), ("size_bytes", "Size (bytes)"),
-                                   ("ok", "Checksum ok")], ("file", "sha256")),
+                                ("previous", "Previous"), ("sha256", "Pack sha256"), ("planned", "Planned"),
+                                ("running", "Running"), ("locked", "Locked")],
+         ("id", "commit", "version", "previous", "sha256", "planned", "running", "locked")),
+        ("Model files", "models", [("file", "File"), ("path", "Path"), ("sha256", "sha256"),
+                                   ("size_bytes", "Size (bytes)"), ("recorded_sha256", "Install record"),
+                                   ("locked_sha256", "Lock"), ("ok", "Checksum ok")],
+         ("file", "path", "sha256", "recorded_sha256", "locked_sha256")),
         ("Chat templates", "templates", [("name", "Template"), ("sha256", "sha256")], ("name", "sha256")),
         ("Service units", "units", [("name", "Unit"), ("state", "State"), ("enabled", "Enabled"),
                                     ("active", "Active")], ("name",)),
     ]
     for title, key, known, mono in parts:
-        rows = _dicts(installed.get(key))
+        rows = [_same_hash(row) for row in _dicts(installed.get(key))]
         blocks += [Heading(title), _dict_table(rows, known, mono) if rows else Text(f"No {title.lower()} listed.")]
     plan = installed.get("plan") if isinstance(installed.get("plan"), dict) else {}
     services = _dicts(plan.get("services"))
@@ -269,9 +284,57 @@ def _installed(report: dict[str, Any]) -> Section:
         blocks += [Text("Why:"), Items(reasons)] if reasons else [Text("No reason recorded.")]
     blocks.append(Heading("Lock"))
     lock = installed.get("lock")
-    blocks.append(Pre(json.dumps(lock, indent=2, sort_keys=True, default=str)) if lock
-                  else Text("No fleet lock names this box."))
+    blocks += _lock_blocks(lock) if isinstance(lock, dict) and lock else [Text("No fleet lock names this box.")]
     return Section("installed", "Installed", _status(report, "installed"), blocks)
+
+
+def _same_hash(row: dict[str, Any]) -> dict[str, Any]:
+    """A model file's install record and lock checksums read "matches" where they are its sha256: each hash once."""
+    return {key: "matches" if key in ("recorded_sha256", "locked_sha256") and value and value == row.get("sha256")
+            else value for key, value in row.items()}
+
+
+# The lock entry's tables (controller.lock.BoxLock): its key, the key's column, the known columns, monospace ones.
+LOCK_TABLES = [
+    ("engines", "Locked engines", "Engine", [("slot", "Slot"), ("commit", "Commit"), ("platform", "Platform"),
+                                             ("file", "Pack"), ("sha256", "Pack sha256")],
+     ("commit", "file", "sha256")),
+    ("models", "Locked model files", "File", [("id", "Model"), ("sha256", "sha256"), ("size_bytes", "Size (bytes)")],
+     ("sha256",)),
+    ("templates", "Locked chat templates", "Template", [("sha256", "sha256")], ("sha256",)),
+    ("services", "Locked services", "Service", [("model", "Model"), ("engine", "Engine"), ("host", "Host"),
+                                                ("port", "Port"), ("template", "Template"), ("args", "Arguments"),
+                                                ("env", "Environment")], ("engine", "args", "env")),
+]
+_KEY = ""  # the column of the rows' names (no field of a lock entry is named "")
+
+
+def _lock_blocks(lock: dict[str, Any]) -> list[Any]:
+    """The box's lock entry as a person reads it: a table per kind of thing locked, the rest as facts."""
+    blocks: list[Any] = []
+    facts = []
+    tables = {key: (title, column, known, mono) for key, title, column, known, mono in LOCK_TABLES}
+    for key, value in lock.items():
+        entries = value if isinstance(value, dict) else {}
+        if key in tables and entries and all(isinstance(item, dict) for item in entries.values()):
+            title, column, known, mono = tables[key]
+            rows = [{_KEY: name, **{field: _spelled(field, item) for field, item in fields.items()}}
+                    for name, fields in entries.items()]
+            blocks += [Heading(title), _dict_table(rows, [(_KEY, column), *known], (_KEY, *mono))]
+        elif key in tables and not value:
+            facts.append((f"Locked {key}", "none"))
+        else:
+            facts.append((_name(key), _fmt(value)))
+    return ([Facts(facts)] if facts else []) + blocks
+
+
+def _spelled(field: str, value: Any) -> Any:
+    """A server's arguments and environment as a shell would show them."""
+    if field == "args" and isinstance(value, list):
+        return " ".join(str(arg) for arg in value)
+    if field == "env" and isinstance(value, dict):
+        return " ".join(f"{name}={item}" for name, item in value.items())
+    return value
 
 
 def _brief(answer: Any, fields: list[tuple[str, str]]) -> str:
@@ -293,6 +356,24 @@ def _ok(answer: Any, fields: list[tuple[str, str]]) -> str:
     return f"{verdict}: {detail}" if verdict and detail != DASH else verdict or detail
 
 
+def _unchecked(report: dict[str, Any], name: str) -> str | None:
+    """Why ``name`` was not checked, when the report lists it under not_checked (None: it was checked)."""
+    return next((_fmt(item.get("why")) for item in _dicts(report.get("not_checked")) if item.get("name") == name), None)
+
+
+def _timings(answer: Any) -> str:
+    """The server's own timings on the fixed prompt, in words."""
+    if not isinstance(answer, dict) or not answer:
+        return DASH
+    parts = [f"{what} {_fmt(answer.get(tokens))} tokens at {_fmt(answer.get(rate))} tok/s"
+             for what, tokens, rate in (("prompt", "prompt_tokens", "prompt_per_second"),
+                                        ("generation", "predicted_tokens", "predicted_per_second"))
+             if answer.get(rate) is not None]
+    known = {"prompt_tokens", "prompt_per_second", "predicted_tokens", "predicted_per_second", "detail"}
+    parts += [f"{_name(key)} {_fmt(value)}" for key, value in answer.items() if key not in known]
+    return "; ".join(parts + ([str(answer["detail"])] if answer.get("detail") else [])) or DASH
+
+
 def _endpoints(report: dict[str, Any]) -> Section:
     endpoints = report.get("endpoints")
     if not isinstance(endpoints, dict) or not endpoints:
@@ -301,6 +382,10 @@ def _endpoints(report: dict[str, Any]) -> Section:
     for name, answer in endpoints.items():
         answer = answer if isinstance(answer, dict) else {}
         streams = answer.get("streams") if isinstance(answer.get("streams"), dict) else {}
+        untried = _unchecked(report, f"tool call round trip {name}")  # then its raw answer is no verdict
+        tool = f"not checked: {untried}" if untried is not None else _ok(answer.get("tool_call"), [
+            ("tool_use", "tool_use block"), ("tool_name", "tool"), ("stop_reason", "stop reason"),
+            ("final_stop_reason", "final stop reason")])
         blocks += [Heading(str(name)), Facts([
             ("Endpoint", _fmt(answer.get("endpoint"))),
             ("Health", _fmt(answer.get("health"))),
@@ -311,14 +396,13 @@ def _endpoints(report: dict[str, Any]) -> Section:
                                                                ("stop_reason", "stop reason")])),
             ("API key", _brief(answer.get("auth"), [("required", "required"), ("anonymous_status", "without it HTTP"),
                                                     ("wrong_key_status", "wrong key HTTP")])),
-            ("Tool call round trip", _ok(answer.get("tool_call"), [
-                ("tool_use", "tool_use block"), ("tool_name", "tool"), ("stop_reason", "stop reason"),
-                ("final_stop_reason", "final stop reason")])),
+            ("Tool call round trip", tool),
             ("OpenAI streaming", _ok(streams.get("openai"), [("chunks", "chunks"), ("done", "[DONE]")])),
             ("Anthropic streaming", _ok(streams.get("anthropic"), [("events", "events"),
                                                                    ("message_stop", "message_stop")])),
+            *([("Server timings", _timings(answer["throughput"]))] if "throughput" in answer else []),
         ] + [(_name(key), _fmt(value)) for key, value in answer.items() if key not in {
-            "endpoint", "health", "served_ids", "openai", "anthropic", "auth", "tool_call", "streams"}])]
+            "endpoint", "health", "served_ids", "openai", "anthropic", "auth", "tool_call", "streams", "throughput"}])]
     return Section("endpoints", "Endpoints", _status(report, "endpoints"), blocks)
 
 
@@ -372,6 +456,32 @@ def _tok_series(burn_in: dict[str, Any]) -> dict[str, list[tuple[float, float]]]
             for name, points in series.items()}
 
 
+def windowed_rates(points: list[tuple[float, float]], size: int = WINDOW_REQUESTS) -> list[tuple[float, float]]:
+    """Per-request rates, in time order, as the median of each ``size`` consecutive requests at the middle of their
+    span. A reply whose last tokens came in one network chunk has a rate of hundreds of thousands of tok/s; a window's
+    median leaves such a burst out. Requests left over join the last window."""
+    ordered = sorted(points)
+    windows = [ordered[start:start + size] for start in range(0, len(ordered), size)]
+    if len(windows) > 1 and len(windows[-1]) < size:
+        windows[-2:] = [windows[-2] + windows[-1]]
+    return [((window[0][0] + window[-1][0]) / 2, statistics.median(rate for _, rate in window)) for window in windows]
+
+
+def _rate_windows(burn_in: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
+    return {name: windowed_rates(points) for name, points in _tok_series(burn_in).items() if points}
+
+
+def rate_axis(windows: dict[str, list[tuple[float, float]]]) -> float:
+    """The top of the tok/s axis: scaled to the bulk of each service's windows (a quarter above its 95th percentile),
+    so a run of bursts that outlasts a window's median cannot flatten the rest of the plot."""
+    tops = []
+    for points in windows.values():
+        rates = sorted(rate for _, rate in points)
+        if rates:
+            tops.append(min(rates[-1] * 1.1, rates[round(0.95 * (len(rates) - 1))] * 1.25))
+    return max(tops, default=0.0) or 1.0
+
+
 def plot_gaps(report: dict[str, Any]) -> dict[str, str]:
     """A sentence for each plot that cannot be drawn, saying why (empty when both are drawn)."""
     burn_in = report.get("burn_in")
@@ -404,7 +514,7 @@ def _burn_in(report: dict[str, Any]) -> Section:
                                                         "request error."))
     requests = burn_in.get("requests") if isinstance(burn_in.get("requests"), dict) else {}
     restarts = burn_in.get("restarts") if isinstance(burn_in.get("restarts"), dict) else {}
-    tok = _tok_series(burn_in)
+    tok = _rate_windows(burn_in)
     names = list(dict.fromkeys([*requests, *restarts, *tok]))
     if names:
         rows = []
@@ -419,8 +529,9 @@ def _burn_in(report: dict[str, Any]) -> Section:
                          + (", new invocation" if restart.get("invocation_changed") else "") if restart else DASH,
                          "; ".join(str(message) for message in done.get("messages") or []) or DASH])
         blocks += [Heading("Services under load"),
-                   Table(["Service", "Requests ok", "Errors", "tok/s min / median / max", "Restarts", "Error messages"],
-                         rows)]
+                   Table(["Service", "Requests ok", "Errors",
+                          f"tok/s, median of each {WINDOW_REQUESTS} requests: min / median / max", "Restarts",
+                          "Error messages"], rows)]
     gpus = _gpu_series(burn_in)
     if gpus:
         rows = []
@@ -435,8 +546,15 @@ def _burn_in(report: dict[str, Any]) -> Section:
                    Table(["GPU", "Peak core °C", "Peak memory °C", "Peak power (W)", "Throttle reasons seen"], rows)]
     gaps = plot_gaps(report)
     for name, title in (("temperatures", "GPU temperatures over the burn-in"),
-                        ("throughput", "Generation speed over the burn-in")):
+                        ("throughput", f"Generation speed over the burn-in: the median of each {WINDOW_REQUESTS} "
+                                       "requests")):
         blocks.append(Text(gaps[name]) if name in gaps else Plot(name, title))
+    top = rate_axis(tok)
+    above = {name: [rate for _, rate in points if rate > top] for name, points in tok.items()}
+    if "throughput" not in gaps and any(above.values()):
+        blocks.append(Text(f"Windows above the axis, which is scaled to the bulk of the rates ({top:.1f} tok/s): "
+                           + "; ".join(f"{name}: {len(rates)} window(s), up to {max(rates):.1f} tok/s"
+                                       for name, rates in above.items() if rates) + "."))
     return Section("burn_in", "Burn-in", _status(report, "burn_in", "burn-in"), blocks)
 
 
@@ -545,11 +663,11 @@ def plots(report: dict[str, Any]) -> dict[str, str]:
     if "throughput" not in gaps:
         figure = Figure(figsize=(9, 3.8), layout="constrained")
         axes = figure.add_subplot()
-        for name, pairs in _tok_series(burn_in).items():
-            if pairs:
-                axes.plot([t / scale for t, _ in pairs], [v for _, v in pairs], marker=".", label=_label(name))
-        axes.set(xlabel=f"time ({unit})", ylabel="generation tok/s")
-        axes.set_ylim(bottom=0)
+        windows = _rate_windows(burn_in)
+        for name, pairs in windows.items():
+            axes.plot([t / scale for t, _ in pairs], [v for _, v in pairs], marker=".", label=_label(name))
+        axes.set(xlabel=f"time ({unit})", ylabel=f"generation tok/s (median of {WINDOW_REQUESTS} requests)")
+        axes.set_ylim(0, rate_axis(windows))
         axes.grid(alpha=0.3)
         axes.legend(loc="best", fontsize="small")
         result["throughput"] = _svg(figure, "throughput")
@@ -625,6 +743,32 @@ def markdown(report: dict[str, Any]) -> str:
 # ---------------------------------------------------------------- HTML
 
 
+TABLE_PX = 1036  # the tables' width on the page: its 1100 px less the padding
+TEXT_PX, MONO_PX, HEADER_PX, CELL_PX = 8.8, 7.6, 11.0, 22  # a character of text, code, a header (bold); padding
+
+
+def column_widths(table: Table) -> list[float]:
+    """Each column's share of its table in percent, for a fixed table layout: from the longest text each column holds,
+    never below what its header's words, a number or a readable piece of a hash or file name need. Long names and
+    hashes then wrap inside their own column, instead of widening the table past the page or squeezing a neighbour to
+    a letter a line."""
+    want, least = [], []
+    for i, column in enumerate(table.columns):
+        cells = [str(row[i]) for row in table.rows if i < len(row)]
+        px = MONO_PX if i in table.mono else TEXT_PX
+        header = max((len(word) for word in str(column).split()), default=0) * HEADER_PX
+        longest = max((len(cell) for cell in cells), default=0)
+        word = max((len(part) for cell in cells for part in cell.split()), default=0)
+        floor = max(header, (min(longest, 16) if i in table.mono else min(word, 12)) * px) + CELL_PX
+        least.append(floor)
+        want.append(max(floor, min(longest, 80) * px + CELL_PX))
+    if sum(want) > TABLE_PX:  # too wide: the wide columns give up room in proportion, down to their floors
+        spare, extra = max(TABLE_PX - sum(least), 0), [w - f for w, f in zip(want, least, strict=True)]
+        want = [f + e * spare / sum(extra) for f, e in zip(least, extra, strict=True)] if sum(extra) else least
+    total = sum(want) or 1
+    return [round(100 * width / total, 1) for width in want]
+
+
 _ENVIRONMENT = jinja2.Environment(loader=jinja2.PackageLoader("controller", "templates"), autoescape=True,
                                   undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
 
@@ -639,7 +783,7 @@ def html(report: dict[str, Any], svgs: dict[str, str] | None = None, keys: dict[
     return template.render(
         report=report, box=_fmt(report.get("box")), passed=report.get("passed") is True,
         sections=sections(report), svgs={name: Markup(svg) for name, svg in svgs.items()},  # matplotlib's own XML
-        keys=keys or {}, kind=lambda block: type(block).__name__)
+        keys=keys or {}, kind=lambda block: type(block).__name__, widths=column_widths)
 
 
 # ---------------------------------------------------------------- files

@@ -42,7 +42,7 @@ from controller.planner import plan_box
 from controller.profile import HardwareProfile
 from controller.provision import add_gateway, check_driver
 from controller.render import render_box, secrets_for
-from controller.report import build_report, write_report
+from controller.report import build_report, not_as_asked, write_report
 from controller.runner import EventHandler, HostStats, RunInterrupted, RunResult, run_playbook
 from controller.serveplan import ServePlan
 from controller.transports.known_hosts import known_hosts_file
@@ -53,6 +53,7 @@ MAX_FORKS = 50  # Ansible processes at once (about 60 MB each on the controller)
 
 # What happened to a box, as the summary says it.
 OK, FAILED, UNREACHABLE, NOT_VERIFIED, INTERRUPTED = "ok", "failed", "unreachable", "not verified", "interrupted"
+NOT_AS_ASKED = "not as asked"  # verified, but serving only the wanted models that fit
 
 StageHandler = Callable[[str, str, str], None]  # (box, stage, detail): probe/plan/render progress for the display
 
@@ -70,6 +71,8 @@ class BoxOutcome:
     probe_seconds: float = 0.0
     plan_seconds: float = 0.0
     report: str | None = None  # the report's JSON file, once written
+    unplaced: list[dict[str, Any]] = field(default_factory=list)  # the report's: each wanted model not placed, and why
+    provisioned_as_asked: bool = False  # the report's: every wanted model placed (False until a report says so)
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -260,6 +263,7 @@ def _finish(item: _Planned, run: RunResult, spans: _Spans, inventory: Path, outc
     json_path, _md = write_report(inventory / "reports", report)
     stats = seen.stats[name]
     outcome.changed, outcome.verified, outcome.report = stats.changed, bool(report["verified"]), str(json_path)
+    outcome.unplaced, outcome.provisioned_as_asked = list(report["unplaced"]), bool(report["provisioned_as_asked"])
     outcome.seconds = item.probe_seconds + item.plan_seconds + seen.elapsed
     mine = seen.failed
     if run.status == "interrupted":
@@ -276,6 +280,8 @@ def _finish(item: _Planned, run: RunResult, spans: _Spans, inventory: Path, outc
         unverified = [service["name"] for service in report["services"] if not service["verified"]]
         outcome.result = NOT_VERIFIED
         outcome.reason = f"verification failed for {', '.join(unverified) or 'the box'}; see {json_path}"
+    elif missing := not_as_asked(report):
+        outcome.result, outcome.reason = NOT_AS_ASKED, missing
     else:
         outcome.result, outcome.reason = OK, None
 

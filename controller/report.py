@@ -99,7 +99,18 @@ def build_report(box: Box, profile: HardwareProfile, plan: ServePlan, run: RunRe
         "services": services,
         "unplaced": [item.model_dump() for item in plan.unplaced],
         "verified": outcome.verified,
+        # Every wanted model (and draft) placed: a box that serves only what fits is not the box that was asked for.
+        "provisioned_as_asked": not plan.unplaced,
     }
+
+
+def not_as_asked(report: dict[str, Any]) -> str | None:
+    """Why the box is not what its fleet entry asked for (each wanted model the plan could not place, and why), or
+    None when it is; ``verified`` says only that what was placed answered."""
+    if report.get("provisioned_as_asked", True) and not report.get("unplaced"):
+        return None
+    return "; ".join(f"{item['model']} was not placed: {item['reason']}" for item in report.get("unplaced") or []) \
+        or "a wanted model was not placed"
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -107,7 +118,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# Box {report['box']} ({report['address']})",
         "",
-        f"Generated {report['generated']}. Verified: **{'yes' if report['verified'] else 'NO'}**.",
+        f"Generated {report['generated']}. " + _verdict_line(report),
         "",
         "## Hardware",
         f"- GPUs: {', '.join(hw['gpus']) or 'none'}",
@@ -141,15 +152,26 @@ def markdown(report: dict[str, Any]) -> str:
             f"{service['parallel']} slot(s)",
             *[f"  - {reason}" for reason in service["reasons"]],
         ]
-    for item in report["unplaced"]:
-        lines.append(f"- Not placed: {item['model']}: {item['reason']}")
     if report["run"]:
         run = report["run"]
         lines += ["", "## Run", f"- {run['playbook']}: {run['status']} in {run['elapsed']} s, {run['changed']} changed"]
         if run["status"] == "interrupted":
             lines.append(f"- Stopped during task: {run.get('stopped_at') or 'none started yet'}; provision again to "
                          "finish (the run converges)")
+    if report["unplaced"]:  # last, where the eye lands when the command ends
+        lines += ["", "## Not provisioned as asked",
+                  "The box serves the models above; these wanted models are not served:"]
+        lines += [f"- Not placed: {item['model']}: {item['reason']}" for item in report["unplaced"]]
     return "\n".join(lines) + "\n"
+
+
+def _verdict_line(report: dict[str, Any]) -> str:
+    verified = "yes" if report["verified"] else "NO"
+    if not_as_asked(report) is None:
+        return f"Verified: **{verified}**."
+    count = len(report.get("unplaced") or [])
+    return (f"Provisioned as asked: **NO** ({count} wanted model{'s' if count != 1 else ''} not placed, listed at the "
+            f"end); the {len(report['services'])} service(s) placed verified: **{verified}**.")
 
 
 def _auth_line(auth: dict[str, Any], name: str) -> str:

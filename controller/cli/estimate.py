@@ -11,9 +11,17 @@ import math
 
 import click
 
+from controller.catalog import ModelEntry
 from controller.estimate.memory import ENGINES, SPLIT_MODES, Estimate
 from controller.estimate.model import QUANT_CACHE_TYPES
-from controller.estimate.source import EstimateError, estimate_draft, estimate_model, with_draft
+from controller.estimate.source import (
+    EstimateError,
+    estimate_draft,
+    estimate_spec,
+    is_gguf_source,
+    resolve_model_source,
+    with_draft,
+)
 from controller.inputs import MAX_CTX, MAX_GPU_INDEX, MAX_GPU_MIB, MAX_SLOTS
 
 
@@ -97,6 +105,45 @@ def _render_text(result: Estimate) -> str:
     return "\n".join(lines)
 
 
+def estimate_from_source(model: str, **options: object) -> tuple[Estimate, dict[str, str | None]]:
+    """MODEL's estimate and what it was made from (``source`` of ``--json``): its GGUF header, or, for a catalog id
+    whose header cannot be read (no access to the hub), the catalog's hyperparameters, which ``plan`` uses offline."""
+    from controller.errors import CatalogError
+    from controller.estimate.gguf_header import GGUFHeaderError, read_header
+    from controller.estimate.model import model_spec
+
+    location = None
+    try:
+        location = resolve_model_source(model)
+        header = read_header(location)
+    except (GGUFHeaderError, CatalogError) as unread:
+        entry = None if is_gguf_source(model) or "/" in model else _catalog_entry(model)
+        if entry is None or not entry.hparams:
+            raise
+        from controller.planner.specs import spec_from_hparams
+
+        return estimate_spec(spec_from_hparams(entry), **options), {
+            "kind": "catalog", "model": entry.id, "header": location, "why": str(unread)}
+    return estimate_spec(model_spec(header), **options), {"kind": "header", "header": header.source}
+
+
+def _catalog_entry(model: str) -> ModelEntry | None:
+    from controller.catalog import resolve_catalog_model
+    from controller.errors import CatalogError
+
+    try:
+        return resolve_catalog_model(model)
+    except CatalogError:
+        return None
+
+
+def _source_line(source: dict[str, str | None]) -> str:
+    if source["kind"] == "header":
+        return f"source  the GGUF header of {source['header']}"
+    return (f"source  the catalog's hyperparameters of {source['model']}: its GGUF header could not be read "
+            f"({source['why']})")
+
+
 @click.command("estimate")
 @click.argument("model")
 @click.option("--ctx", type=int, default=None, help="Context size (default: the model's training context).")
@@ -127,24 +174,33 @@ def estimate(model: str, ctx: int | None, parallel: int | None, kv_unified: bool
     mem_list = _gpu_memory(gpu_mem_mib)
     if mem_list and not gpu_list:
         gpu_list = list(range(len(mem_list)))
-    result = estimate_model(
+    sources: dict[str, dict[str, str | None]] = {}
+
+    def estimating(name: str, **options: object) -> Estimate:
+        found, sources[name] = estimate_from_source(name, **options)
+        return found
+
+    result = estimating(
         model, engine=engine, ctx=ctx, parallel=parallel, kv_unified=kv_unified, cache_type_k=cache_type_k,
         cache_type_v=cache_type_v, ubatch=ubatch, batch=batch, flash_attn=flash_attn, gpus=gpu_list,
         gpu_mem_mib=mem_list, split_mode=split_mode, n_gpu_layers=n_gpu_layers, cpu_moe=cpu_moe,
     )
     if draft is None:
-        click.echo(json.dumps(result.to_json(), indent=2) if as_json else _render_text(result))
+        data = {**result.to_json(), "source": sources[model]}
+        click.echo(json.dumps(data, indent=2) if as_json else _render_text(result) + "\n" + _source_line(data["source"]))
         return
-    paired = estimate_draft(draft, gpu_list, mem_list, engine=engine, ctx=result.settings.ctx,
+    paired = estimate_draft(draft, gpu_list, mem_list, estimating, engine=engine, ctx=result.settings.ctx,
                             parallel=result.settings.parallel, kv_unified=result.settings.kv_unified,
                             cache_type_k=cache_type_k, cache_type_v=cache_type_v, ubatch=ubatch, batch=batch,
                             flash_attn=flash_attn)
-    data = with_draft(result.to_json(), paired)
+    data = with_draft({**result.to_json(), "source": sources[model]}, paired)
+    data["draft"]["source"] = sources[draft]
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
     d = data["draft"]
     click.echo(_render_text(result))
+    click.echo(_source_line(data["source"]))
     click.echo(f"draft   {d['model']['arch']} {d['model']['n_layer']} layers: weights {d['weights']['total_mib']:.1f}"
                f"  kv {d['kv']['total_mib']:.1f} ({d['kv']['cells']} cells, {d['kv']['layers']} layers)  compute "
                f"{d['compute']['total_mib']:.1f}  total {d['total_mib']:.1f} MiB")

@@ -24,7 +24,7 @@ from pathlib import Path
 import click
 from pydantic import ValidationError
 
-from controller.errors import ProbeError
+from controller.errors import PlanError, ProbeError
 from controller.inputs import MAX_CTX, PROFILE_MAX_BYTES, TooLarge, read_bounded
 from controller.profile import HardwareProfile
 from controller.serveplan import ServePlan
@@ -142,8 +142,6 @@ def emit(plan: ServePlan, as_json: bool) -> None:
                 click.echo(f"    - {reason}")
         env = " ".join(f"{key}={value}" for key, value in service.env.items())
         click.echo(f"  {env + ' ' if env else ''}llama-server {' '.join(service.args)}")
-    for item in plan.unplaced:
-        click.echo(f"not placed: {item.model}: {item.reason}")
     for gpu in plan.idle_gpus:
         click.echo(f"idle: GPU {gpu.index} {gpu.name}: {gpu.reason}")
     if plan.gateway is not None:
@@ -151,6 +149,15 @@ def emit(plan: ServePlan, as_json: bool) -> None:
         click.echo(f"gateway on port {plan.gateway.port}: {routes}")
         for reason in plan.gateway.reasons:
             click.echo(f"  - {reason}")
+    for item in plan.unplaced:  # last: what was asked for and will not be served
+        click.echo(f"not placed: {item.model}: {item.reason}")
+
+
+def refuse_unplaced(plan: ServePlan) -> None:
+    """Exit as ``provision`` does (4) when not every wanted model fits; the plan has been printed already."""
+    if plan.unplaced:
+        raise PlanError("not every wanted model fits: "
+                        + "; ".join(f"{item.model}: {item.reason}" for item in plan.unplaced))
 
 
 @click.command("plan", cls=_PairedCommand)
@@ -177,7 +184,10 @@ def emit(plan: ServePlan, as_json: bool) -> None:
 def plan(box: str | None, fleet_path: Path | None, profile_path: Path | None, models: tuple[str, ...],
          drafts: tuple[str, ...], ctx: int | None, agents: int, base_port: int, catalogs: tuple[Path, ...], header_pairs: tuple[str, ...],
          as_json: bool) -> None:
-    """Plan the llama.cpp services for BOX (probed), or for a saved profile and the given models."""
+    """Plan the llama.cpp services for BOX (probed), or for a saved profile and the given models.
+
+    The plan is printed whole; when a wanted model does not fit, the command then exits 4, as provision does.
+    """
     headers = _headers(header_pairs)
     if box is not None:
         if profile_path or models or drafts or ctx is not None or agents != 1 or catalogs:
@@ -191,3 +201,4 @@ def plan(box: str | None, fleet_path: Path | None, profile_path: Path | None, mo
               _plan_profile(profile_path, models, ctx, agents, base_port, catalogs, headers,
                             click.get_current_context().meta.get("drafts")))
     emit(result, as_json)
+    refuse_unplaced(result)

@@ -12,7 +12,7 @@ import click
 from controller.cli.lock import guard as lock_guard
 from controller.cli.lock import note as lock_note
 from controller.cli.options import box_command, fleet_option, inventory_for, inventory_option, json_option, load
-from controller.errors import FleetRunError, VerifyError
+from controller.errors import FleetRunError, PlanError, VerifyError
 
 if TYPE_CHECKING:
     from controller.fleet import Fleet
@@ -31,7 +31,9 @@ def provision(boxes: tuple[str, ...], everything: bool, fleet_path: Path, invent
     """Probe, plan, render and run playbooks/site.yml on one box, several, a group of the fleet, or --all.
 
     Several boxes are probed and planned at once and provisioned by one Ansible run; one that fails does
-    not stop the others, and the summary says which failed and why (exit 8). A workstation of the fleet
+    not stop the others, and the summary says which failed and why (exit 8). A box that serves only part of what
+    its fleet entry wants (a model the plan could not place) is provisioned with what fits and is not as asked
+    (exit 4; in a run over several boxes, its result says so). A workstation of the fleet
     (its `workstations:`) gets its accounts wired to the boxes it names instead (playbooks/clients.yml).
     """
     fleet = load(fleet_path)
@@ -48,7 +50,7 @@ def provision(boxes: tuple[str, ...], everything: bool, fleet_path: Path, invent
     lock_guard(fleet, fleet_path, [box], target, locked)
     from controller.progress import Progress
     from controller.provision import provision as run_provision
-    from controller.report import markdown
+    from controller.report import markdown, not_as_asked
 
     progress = Progress(as_json=as_json)
     report, result = run_provision(fleet, box, target, progress)
@@ -56,8 +58,12 @@ def provision(boxes: tuple[str, ...], everything: bool, fleet_path: Path, invent
     if not locked:
         lock_note(fleet, fleet_path, target, [box], as_json)  # provisioning writes the lock
     click.echo(json.dumps({"type": "report", **report}) if as_json else markdown(report))
-    if not report["verified"]:
-        raise VerifyError(f"{box}: verification failed; the report says which server answered what")
+    missing = not_as_asked(report)
+    if not report["verified"]:  # a server that does not answer outranks a model that was not placed
+        raise VerifyError(f"{box}: verification failed; the report says which server answered what"
+                          + (f"; and it is not provisioned as asked: {missing}" if missing else ""))
+    if missing:
+        raise PlanError(f"{box} is not provisioned as asked: {missing}; it serves the models that fit")
 
 
 def provision_fleet(fleet: Fleet, names: list[str], inventory: Path, as_json: bool,
@@ -70,8 +76,8 @@ def provision_fleet(fleet: Fleet, names: list[str], inventory: Path, as_json: bo
         done = provision_many(fleet, names, inventory, on_event=progress, on_stage=progress.stage)
     progress.summary(done)
     if lock_for is not None:  # the fleet file whose lock records what the boxes that ran now have
-        lock_note(fleet, lock_for, inventory, [one.box for one in done.outcomes if one.result in ("ok", "not verified")],
-                  as_json)
+        ran = [one.box for one in done.outcomes if one.result in ("ok", "not verified", "not as asked")]
+        lock_note(fleet, lock_for, inventory, ran, as_json)
     if done.failed:
         raise FleetRunError(failure_message(done))
 

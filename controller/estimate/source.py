@@ -5,7 +5,7 @@ from, its memory estimate under given server options, and a catalog entry for a 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from controller.catalog import Catalog, ModelEntry, resolve_catalog_model
@@ -13,7 +13,7 @@ from controller.errors import CatalogError, ControllerError
 from controller.estimate.gguf_header import GGUFHeader, read_header
 from controller.estimate.memory import Estimate, EstimateInputError, resolve_settings
 from controller.estimate.memory import estimate as run_estimate
-from controller.estimate.model import model_spec
+from controller.estimate.model import ModelSpec, model_spec
 
 
 class EstimateError(ControllerError):
@@ -49,7 +49,11 @@ def resolve_model_source(model: str) -> str:
 def estimate_model(model: str, **options: object) -> Estimate:
     """Read MODEL's header and estimate its memory under the given server options."""
     header: GGUFHeader = read_header(resolve_model_source(model))
-    spec = model_spec(header)
+    return estimate_spec(model_spec(header), **options)
+
+
+def estimate_spec(spec: ModelSpec, **options: object) -> Estimate:
+    """A model's memory under the given server options, from its spec (a header's, or a catalog entry's)."""
     try:
         settings = resolve_settings(spec, **options)  # type: ignore[arg-type]
         return run_estimate(spec, settings)
@@ -107,15 +111,17 @@ def with_gguf_sources(models: Sequence[str], catalog: Catalog) -> tuple[list[str
     return ids, catalog, headers
 
 
-def estimate_draft(draft: str, gpus: Sequence[int], gpu_mem_mib: Sequence[float], **options: object) -> Estimate:
+def estimate_draft(draft: str, gpus: Sequence[int], gpu_mem_mib: Sequence[float],
+                   estimate: Callable[..., Estimate] = estimate_model, **options: object) -> Estimate:
     """The draft model's memory beside a target under the same server options (``controller estimate --draft``).
 
     llama-server gives the draft the target's context, slots and batches; the plan pins it to the
     target's first card (``--device-draft``) with every layer there, so that is what is estimated.
+    ``estimate`` is how a model is estimated (the command's falls back to the catalog).
     """
     options = {key: value for key, value in options.items() if key not in ("split_mode", "n_gpu_layers", "cpu_moe")}
-    return estimate_model(draft, gpus=list(gpus[:1]), gpu_mem_mib=list(gpu_mem_mib[:1]), split_mode="none",
-                          n_gpu_layers=None, cpu_moe=False, **options)
+    return estimate(draft, gpus=list(gpus[:1]), gpu_mem_mib=list(gpu_mem_mib[:1]), split_mode="none",
+                    n_gpu_layers=None, cpu_moe=False, **options)
 
 
 def with_draft(data: dict, draft: Estimate) -> dict:

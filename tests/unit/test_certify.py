@@ -149,3 +149,30 @@ def test_a_failed_run_fails_the_certification():
                       locked=None, engine_root="/opt/llama", burn_in_s=0, thermal=None, power_planned=False)
     by_name = checks(result)
     assert not by_name["certification run"]["passed"] and not by_name["endpoint llama-tiny-llama"]["passed"]
+
+
+def test_a_tool_call_not_checked_reads_as_not_checked_in_a_passing_report():
+    """Issue 21: certify passed while its Endpoints section printed "Tool call round trip: FAILED: tool_use block
+    no..." for a model whose template makes no tool calls (listed as not checked)."""
+    from controller.certify_report import html, markdown
+
+    class NoTools(_Catalog):
+        def model(self, _model_id: str) -> Any:
+            return type("Entry", (), {"throughput": self.bands, "tool_calls": False})()
+
+    answer = {**CHECKED, "tool_call": {"ok": False, "tool_use": False, "detail": "no tool_use block: stop_reason "
+                                                                                "end_turn"}}
+    result = evaluate(BOX, plan(), V100, NoTools([band()]), run(), {"llama-tiny-llama": answer},
+                      copy.deepcopy(ANSWERS), {}, fleet_path="fleet.yml", locked=None, engine_root="/opt/llama",
+                      burn_in_s=0, thermal=None, power_planned=False)
+    assert all(item["passed"] for item in result["checks"]), result["checks"]
+    report = {"box": "lab1", "passed": True, "checks": result["checks"], "not_checked": result["not_checked"],
+              "endpoints": {"llama-tiny-llama": {"endpoint": "http://127.0.0.1:8001", **answer}},
+              "throughput": result["throughput"]}
+    text = markdown(report)
+    endpoints = text[text.index("## Endpoints"):text.index("## Throughput")]
+    assert "FAILED" not in endpoints and "FAIL" not in endpoints
+    assert ("Tool call round trip:** not checked: the catalog says tiny-llama's chat template makes no tool calls"
+            in endpoints)
+    page = html(report)
+    assert "FAILED" not in page[page.index('id="endpoints"'):page.index('id="throughput"')]

@@ -338,3 +338,99 @@ def test_the_buyer_copy_alone_holds_the_keys(tmp_path: Path, monkeypatch):
     for path in tmp_path.iterdir():
         if not path.name.startswith("box3.buyer."):
             assert not any(key in path.read_text() for key in keys.values()), path.name
+
+
+# ---------------------------------------------------------------- issue 21: what a buyer reads
+
+
+def _with_bursts(report: dict) -> dict:
+    """Two one-token bursts among the burn-in's requests: a request whose two tokens came in one chunk has a rate
+    of hundreds of thousands of tok/s (seen on the lab box: 407,806 tok/s against a median of 925)."""
+    series = report["burn_in"]["series"]["gemma4-26b"]
+    series[10]["tok_s"], series[41]["tok_s"] = 407806.0, 120000.0
+    return report
+
+
+def _numbers(svg: str) -> list[float]:
+    """The numbers the plot writes as text (its tick labels)."""
+    return [float(text.replace("\u2212", "-")) for text in re.findall(r">\s*([\u22120-9.]+)\s*</text>", svg)]
+
+
+def test_burn_in_rates_are_over_windows_of_requests_and_ignore_one_token_bursts():
+    points = [(float(i), 100.0 + (i % 3)) for i in range(23)]
+    points[4] = (4.0, 407806.0)
+    windows = certify_report.windowed_rates(points)
+    assert len(windows) == 4 and all(99 <= rate <= 103 for _, rate in windows)  # the 3 left over join the last
+    assert [t for t, _ in windows] == sorted(t for t, _ in windows)
+    assert certify_report.windowed_rates([]) == []
+    assert certify_report.windowed_rates([(1.0, 50.0)]) == [(1.0, 50.0)]
+
+
+def test_the_tok_s_plot_is_scaled_to_the_bulk_of_the_rates_not_to_a_burst():
+    report = _with_bursts(full_report())
+    svg = certify_report.plots(report)["throughput"]
+    assert max(_numbers(svg)) <= 200  # the rates are about 60 to 100 tok/s; the bursts are 407,806 and 120,000
+    text = certify_report.markdown(report)
+    assert "407806" not in text and "120000" not in text
+    assert "median of each 5 requests" in text
+    row = next(line for line in text.replace("\\", "").splitlines() if line.startswith("| gemma4-26b | 100 |"))
+    low, median, high = (float(part) for part in row.split("|")[4].split("/"))
+    assert 55 <= low <= median <= high <= 101
+
+
+def test_an_axis_that_leaves_windows_out_says_so():
+    report = full_report()
+    for point in report["burn_in"]["series"]["gemma4-26b"][30:33]:  # three bursts in a row beat a window's median
+        point["tok_s"] = 250000.0
+    svg = certify_report.plots(report)["throughput"]
+    assert max(_numbers(svg)) <= 200
+    assert "above the axis" in certify_report.markdown(report)
+
+
+def test_the_lock_and_the_servers_timings_read_as_tables_not_json():
+    report = full_report()
+    report["installed"]["lock"] = {
+        "definition": {"models": [{"id": "gemma4-26b-a4b-qat-q4_0", "ctx": 32768}], "bind": "127.0.0.1"},
+        "driver": {"manage": True, "branch": 580, "installed": "580.82.07"},
+        "engines": {"cuda-0c1e570": {"slot": "cuda", "commit": "0c1e570", "platform": "linux-x86_64",
+                                     "file": "llama-0c1e570-cuda.tar.gz", "sha256": "c459" * 16}},
+        "models": {"gemma-4-26b-a4b-qat-q4_0.gguf": {"id": "gemma4-26b-a4b-qat-q4_0", "sha256": "568b" * 16,
+                                                     "size_bytes": 15_200_000_000}},
+        "templates": {"gemma4-nothink.jinja": {"sha256": "0d3e" * 16}},
+        "services": {"llama-gemma4-26b": {"model": "gemma4-26b-a4b-qat-q4_0", "engine": "cuda-0c1e570",
+                                          "host": "127.0.0.1", "port": 8001, "args": ["--ctx-size", "32768"],
+                                          "env": {"CUDA_VISIBLE_DEVICES": "0"}, "template": None}},
+        "gateway": None}
+    report["endpoints"]["gemma4-26b"]["throughput"] = {"prompt_tokens": 200, "prompt_per_second": 900.0,
+                                                        "predicted_tokens": 64, "predicted_per_second": 50.0,
+                                                        "detail": ""}
+    text = certify_report.markdown(report)
+    page = certify_report.html(report)
+    installed = text[text.index("## Installed"):text.index("## Endpoints")].replace("\\", "")  # escapes aside
+    assert "```" not in installed and '"sha256"' not in installed and "{" not in installed
+    assert "| `gemma-4-26b-a4b-qat-q4_0.gguf` | gemma4-26b-a4b-qat-q4_0 | `" + "568b" * 16 + "` |" in installed
+    assert "--ctx-size 32768" in installed and "CUDA_VISIBLE_DEVICES=0" in installed
+    section = page[page.index('id="installed"'):page.index('id="endpoints"')]
+    assert "<pre" not in section and section.count("<table") >= 8
+    endpoints, _ = _visible(page[page.index('id="endpoints"'):page.index('id="throughput"')])
+    assert "predicted_per_second" not in endpoints and "{" not in endpoints
+    assert "prompt 200 tokens at 900 tok/s; generation 64 tokens at 50 tok/s" in endpoints
+
+
+def test_model_files_as_status_reads_them_keep_names_and_hashes_whole_in_fixed_columns():
+    report = full_report()
+    report["installed"]["models"] = [
+        {"file": "gemma-4-26B-A4B-it-qat-q4_0-unsloth-UD-Q4_K_XL-00001-of-00002.gguf",
+         "path": "/var/lib/llama/models/gemma-4-26B-A4B-it-qat-q4_0-unsloth-UD-Q4_K_XL-00001-of-00002.gguf",
+         "size_bytes": 15_200_000_000, "sha256": "568b" * 16, "recorded_sha256": "568b" * 16,
+         "locked_sha256": "9999" * 16, "ok": True}]
+    text = certify_report.markdown(report)
+    header = next(line for line in text.splitlines() if line.startswith("| File |"))
+    assert "Install record" in header and "Lock" in header and "recorded" not in header
+    row = next(line for line in text.splitlines() if line.startswith("| `gemma-4-26B"))
+    assert row.count("568b" * 16) == 1 and "matches" in row and "`" + "9999" * 16 + "`" in row  # the lock differs
+    page = certify_report.html(report)
+    assert "table-layout: fixed" in page and "overflow-wrap: anywhere" in page
+    table = page[page.index("<th>File</th>") - 400:page.index("<th>File</th>")]
+    widths = [float(width) for width in re.findall(r'<col style="width: ([0-9.]+)%">', table)]
+    assert len(widths) == 7 and abs(sum(widths) - 100) < 0.5 and min(widths) >= 4

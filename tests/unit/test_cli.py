@@ -66,6 +66,50 @@ def test_an_unverified_provision_prints_the_report_then_exits_6(tmp_path, monkey
                                                   "answered what"]
 
 
+NOT_PLACED = {"model": "qwen3.5-122b-a10b-q8_0",
+              "reason": "on the CPU it needs 40960 MiB of RAM at 4096 tokens of context, against 7000 MiB free"}
+
+
+def _partly_placed(monkeypatch, verified: bool = True) -> dict:
+    from controller.runner import RunResult
+
+    report = {"box": "box3", "address": "192.0.2.10", "generated": "2026-11-24T03:00:00+00:00",
+              "hardware": {"gpus": [], "driver": None, "cpu": "x", "cores": 2, "memory_mib": 8192, "os": "Debian 12",
+                           "warnings": [], "probe_seconds": 0.5},
+              "run": None, "driver": {}, "cache": None, "services": [], "unplaced": [NOT_PLACED],
+              "verified": verified, "provisioned_as_asked": False}
+    monkeypatch.setattr("controller.provision.provision",
+                        lambda fleet, box, inventory, progress: (report, RunResult("site.yml", "successful", 0, 1.0)))
+    return report
+
+
+def test_a_provision_that_left_a_wanted_model_unplaced_exits_4_naming_it_last(tmp_path, monkeypatch):
+    """Issue 21: provision exited 0 and printed "Verified: yes" with the unplaced model on line 207 of 211."""
+    report = _partly_placed(monkeypatch)
+    result = invoke("provision", "box3", "--fleet", str(_fleet(tmp_path)), "--json")
+    assert result.exit_code == 4, result.output
+    last = json.loads(result.stdout.splitlines()[-1])
+    assert last == {"type": "report", **report} and last["unplaced"] == [NOT_PLACED]
+    assert last["provisioned_as_asked"] is False
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: box3 is not provisioned as asked: qwen3.5-122b-a10b-q8_0 was not placed: on the CPU")
+    assert "7000 MiB free" in line
+
+    text = invoke("provision", "box3", "--fleet", str(_fleet(tmp_path)))
+    assert text.exit_code == 4
+    shown = [line for line in text.stdout.splitlines() if line.strip()]
+    assert shown[-1].startswith("- Not placed: qwen3.5-122b-a10b-q8_0: on the CPU it needs 40960 MiB")
+    assert "Provisioned as asked: **NO**" in text.stdout
+
+
+def test_a_failed_verification_outranks_an_unplaced_model_and_both_are_named(tmp_path, monkeypatch):
+    _partly_placed(monkeypatch, verified=False)
+    result = invoke("provision", "box3", "--fleet", str(_fleet(tmp_path)), "--json")
+    assert result.exit_code == 6, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert "verification failed" in line and "qwen3.5-122b-a10b-q8_0 was not placed" in line
+
+
 def test_verify_without_a_rendered_inventory_is_one_line_and_exit_1(tmp_path):
     result = invoke("verify", "box3", "--fleet", str(_fleet(tmp_path)))
     assert result.exit_code == 1 and result.stdout == ""

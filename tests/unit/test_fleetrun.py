@@ -139,8 +139,36 @@ def test_the_json_summary_is_one_stable_object(tmp_path):
     assert set(summary) == {"type", "boxes", "failed", "elapsed", "prepare_seconds", "forks"}
     assert [box["box"] for box in summary["boxes"]] == ["a1", "b2", "ghost"]
     assert set(summary["boxes"][0]) == {"box", "result", "reason", "changed", "seconds", "verified", "probe_seconds",
-                                        "plan_seconds", "report"}
+                                        "plan_seconds", "report", "unplaced", "provisioned_as_asked"}
     assert summary["boxes"][0]["seconds"] == 41.25 and summary["boxes"][2]["result"] == "unreachable"
+
+
+def test_a_box_that_serves_only_what_fits_is_not_as_asked_and_fails_the_fleet_run(tmp_path):
+    """Issue 21: the run serves the models that fit, but the box's result says it is not as asked (exit 8)."""
+    import copy
+
+    from controller.fleetrun import NOT_AS_ASKED, _finish, _Planned, _Spans
+    from controller.serveplan import Unplaced
+    from tests.unit.test_verify import RECORDED, plan_of, service
+    from tests.unit.tiny_box import CPU_PROFILE
+
+    box = parse_fleet({"boxes": {"box1": {"address": "127.0.0.1", "api_key": {"env": "K"}}}},
+                      tmp_path / "fleet.yml").box("box1")
+    plan = plan_of(service())
+    plan.fits, plan.unplaced = False, [Unplaced(model="qwen3.5-122b-a10b-q8_0", reason="needs 40960 MiB of RAM")]
+    run = RunResult("site.yml", "successful", 0, 20.0, stats={"box1": HostStats(ok=9, changed=1)},
+                    data={"llama_verify": {"box1": copy.deepcopy(RECORDED)}})
+    outcome = BoxOutcome("box1")
+    _finish(_Planned(box, CPU_PROFILE, plan, 0.5, 0.01), run, _Spans(), tmp_path, outcome)
+    assert outcome.verified is True and outcome.result == NOT_AS_ASKED == "not as asked"
+    assert outcome.reason == "qwen3.5-122b-a10b-q8_0 was not placed: needs 40960 MiB of RAM"
+    assert outcome.provisioned_as_asked is False
+    assert outcome.unplaced == [{"model": "qwen3.5-122b-a10b-q8_0", "reason": "needs 40960 MiB of RAM"}]
+    done = FleetRun([outcome], 21.0, 0.5)
+    assert done.failed == [outcome]  # the fleet exits 8
+    assert done.as_dict()["boxes"][0]["unplaced"] == outcome.unplaced
+    assert "box1: not as asked: qwen3.5-122b-a10b-q8_0 was not placed" in failure_message(done)
+    assert json.loads((tmp_path / "reports" / "box1.json").read_text())["provisioned_as_asked"] is False
 
 
 def test_progress_lines_name_the_box_its_task_and_its_counts(tmp_path):

@@ -5,15 +5,16 @@ from __future__ import annotations
 import copy
 
 from controller.fleet import parse_fleet
-from controller.report import build_report, markdown
+from controller.report import build_report, markdown, not_as_asked
 from controller.runner import HostStats, RunResult
+from controller.serveplan import Unplaced
 from tests.unit.test_verify import RECORDED, plan_of, service
 from tests.unit.tiny_box import CPU_PROFILE
 
 SERVICE_FIELDS = {"name", "model", "engine", "endpoint", "gpus", "ctx", "parallel", "verified", "health",
                   "served_ids", "openai", "anthropic", "auth", "reasons"}
 REPORT_FIELDS = {"box", "address", "generated", "hardware", "run", "driver", "cache", "services", "unplaced",
-                 "verified"}
+                 "verified", "provisioned_as_asked"}
 
 
 def box(tmp_path, **fields):
@@ -28,7 +29,7 @@ def site_run(status: str = "successful", answers=None) -> RunResult:
 def test_a_verified_box_reports_its_fields_and_says_so(tmp_path):
     report = build_report(box(tmp_path, api_key={"env": "K"}), CPU_PROFILE, plan_of(service()),
                           site_run(answers=RECORDED), copy.deepcopy(RECORDED), 0.5)
-    assert set(report) == REPORT_FIELDS and report["verified"] is True
+    assert set(report) == REPORT_FIELDS and report["verified"] is True and report["provisioned_as_asked"] is True
     (entry,) = report["services"]
     assert set(entry) == SERVICE_FIELDS and entry["verified"] is True
     assert entry["auth"] == {"required": True, "anonymous_status": 401, "wrong_key_status": 401}
@@ -52,3 +53,31 @@ def test_an_interrupted_run_reports_where_it_stopped_and_nothing_verified(tmp_pa
     assert report["verified"] is False and report["services"][0]["verified"] is False
     assert report["run"]["status"] == "interrupted" and report["run"]["stopped_at"] == "box1: Start llama-tiny"
     assert report["services"][0]["served_ids"] == [] and report["services"][0]["health"] is None
+
+
+BIG_WHY = "on the CPU it needs 40960 MiB of RAM at 4096 tokens of context, against 7000 MiB free"
+
+
+def test_a_box_that_serves_only_part_of_what_it_was_asked_is_not_provisioned_as_asked(tmp_path):
+    """Issue 21: the wanted model the plan could not place was line 207 of 211, under 'Verified: yes'."""
+    plan = plan_of(service())
+    plan.fits, plan.unplaced = False, [Unplaced(model="qwen3.5-122b-a10b-q8_0", reason=BIG_WHY)]
+    report = build_report(box(tmp_path, api_key={"env": "K"}), CPU_PROFILE, plan, site_run(answers=RECORDED),
+                          copy.deepcopy(RECORDED), 0.5)
+    assert report["verified"] is True  # what was placed answered as planned
+    assert report["provisioned_as_asked"] is False
+    assert report["unplaced"] == [{"model": "qwen3.5-122b-a10b-q8_0", "reason": BIG_WHY}]
+    assert not_as_asked(report) == f"qwen3.5-122b-a10b-q8_0 was not placed: {BIG_WHY}"
+    text = markdown(report)
+    assert "Verified: **yes**" not in text.splitlines()[2]  # the headline says what is true of the whole box
+    assert "Provisioned as asked: **NO**" in text.splitlines()[2]
+    last = [line for line in text.splitlines() if line.strip()][-3:]
+    assert any(line.startswith("- Not placed: qwen3.5-122b-a10b-q8_0:") and BIG_WHY in line for line in last), last
+
+
+def test_a_box_that_serves_everything_it_was_asked_says_so_without_a_not_placed_section(tmp_path):
+    report = build_report(box(tmp_path, api_key={"env": "K"}), CPU_PROFILE, plan_of(service()),
+                          site_run(answers=RECORDED), copy.deepcopy(RECORDED), 0.5)
+    assert not_as_asked(report) is None
+    text = markdown(report)
+    assert "Verified: **yes**." in text and "Not placed" not in text and "as asked: **NO**" not in text

@@ -35,8 +35,8 @@ def saved(tmp_path):
 def test_profile_form_prints_the_plan_contract(saved):
     result = _invoke("--profile", saved(DUAL), "--model", "qwen3.6-27b-q4_k_m", "--model", "gemma4-26b-a4b-qat-q4_0",
                      "--agents", "2", "--json")
-    assert result.exit_code == 0, result.output
-    data = json.loads(result.stdout)
+    assert result.exit_code == 4, result.output  # not every wanted model fits: as provision exits (issue 21)
+    data = json.loads(result.stdout)  # the plan is still printed, whole
     assert {"fits", "services", "unplaced"} <= set(data)  # the contract: extended, never renamed
     assert data["fits"] is False  # the 27B needs both cards, so Gemma finds none free
     (service,) = data["services"]
@@ -45,6 +45,17 @@ def test_profile_form_prints_the_plan_contract(saved):
     assert set(service["memory"]["per_device_mib"]) == {"cuda0", "cuda1", "cpu"}
     assert data["unplaced"][0]["model"] == "gemma4-26b-a4b-qat-q4_0"
     assert "already given to a larger model" in data["unplaced"][0]["reason"]
+
+
+def test_a_plan_where_not_every_model_fits_prints_it_then_exits_4_naming_the_model_last(saved):
+    result = _invoke("--profile", saved(DUAL), "--model", "qwen3.6-27b-q4_k_m", "--model", "gemma4-26b-a4b-qat-q4_0",
+                     "--agents", "2")
+    assert result.exit_code == 4, result.output
+    assert "llama-qwen3.6-27b-q4_k_m: qwen3.6-27b-q4_k_m on" in result.stdout  # the plan, as before
+    assert result.stdout.splitlines()[-1].startswith("not placed: gemma4-26b-a4b-qat-q4_0: ")
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: not every wanted model fits: gemma4-26b-a4b-qat-q4_0: ")
+    assert "already given to a larger model" in line
 
 
 def test_profile_form_applies_the_asked_context(saved):
