@@ -27,6 +27,40 @@ def reachable_host(bind: str) -> str:
     return facts.reachable_host(bind)
 
 
+def gpu_minors(instance: dict, gpus: list[dict]) -> list[int]:
+    """The minor numbers of the device nodes (``/dev/nvidia<minor>``) a llama_service instance's unit opens.
+
+    A rendered instance carries them (``gpu_minors``, decided by the planner; empty for a CPU service). A
+    hand-written one names its cards in ``CUDA_VISIBLE_DEVICES``, by nvidia-smi index or UUID, each looked up in
+    ``gpus`` (``llama_service_gpus``: index, uuid, minor_number; a card without minor_number is taken at its
+    index), or, naming none, gets every card there.
+    """
+    if instance.get("gpu_minors") is not None:
+        return [int(minor) for minor in instance["gpu_minors"]]
+
+    def minor(gpu: dict) -> int:
+        return int(gpu["index"] if gpu.get("minor_number") is None else gpu["minor_number"])
+
+    visible = str((instance.get("env") or {}).get("CUDA_VISIBLE_DEVICES", "")).split(",")
+    visible = [entry.strip() for entry in visible if entry.strip()]
+    if not visible:
+        return [minor(gpu) for gpu in gpus]
+    minors = []
+    for entry in visible:
+        found = next((gpu for gpu in gpus if entry in (str(gpu.get("uuid")), str(gpu.get("index")))), None)
+        if found is not None:
+            minors.append(minor(found))
+        elif entry.isdigit():
+            minors.append(int(entry))
+        elif entry.lstrip("-").isdigit():  # CUDA stops at an invalid ordinal: the cards after it are hidden
+            break
+        else:
+            raise ValueError(f"llama_service_instances entry {instance.get('name', '?')}: CUDA_VISIBLE_DEVICES names "
+                             f"{entry}, which llama_service_gpus does not list; give that card's uuid and "
+                             f"minor_number there, or name the instance's gpu_minors")
+    return minors
+
+
 def openclaw_merge(text: str, services: list[dict], keys: dict[str, str], source: str = "the OpenClaw config") -> str:
     """An OpenClaw config (JSON5 text) with the box's services merged in as providers (controller.clients decides how).
 
@@ -53,4 +87,4 @@ def openclaw_problem(text: str, source: str = "the OpenClaw config") -> str:
 
 def filters() -> dict[str, object]:
     return {"systemd_quote": systemd_quote, "systemd_command": systemd_command, "reachable_host": reachable_host,
-            "openclaw_merge": openclaw_merge, "openclaw_problem": openclaw_problem}
+            "openclaw_merge": openclaw_merge, "openclaw_problem": openclaw_problem, "llama_gpu_minors": gpu_minors}

@@ -2,8 +2,8 @@
 
 This is the JSON contract of ``controller clients BOX --fleet FILE --json``; extend it, never rename::
 
-    {box, services: [{model, base_url, claude_code: {env: {NAME: value}, settings: {...}},
-                      openclaw: {provider: {...}}}]}
+    {box, services: [{model, base_url, ctx, warnings: [sentence],
+                      claude_code: {env: {NAME: value}, settings: {...}}, openclaw: {provider: {...}}}]}
 
 Everything comes from the box's rendered plan (the served model id, its address and its planned
 context) and the box's API key secret; ``client_config`` is pure. The same values are what the
@@ -31,6 +31,12 @@ MAX_OUTPUT_TOKENS = 32000  # Claude Code's own default cap; a smaller context ge
 # model reports its real identity.
 CLAUDE_MODEL_VARIABLES = ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL",
                           "ANTHROPIC_DEFAULT_HAIKU_MODEL", "ANTHROPIC_SMALL_FAST_MODEL")
+# What a client does with less context than it needs (AGENT_CLIENT_CTX).
+SHORT_CONTEXT = {"claude-code": "its first turn fails with \"Prompt is too long\" (its system prompt and tools come first)",
+                 "openclaw": "its first request (~23k tokens of system prompt and tools) fails, and it drops replies"}
+# OpenClaw's documented settings for a custom provider in front of llama-server: tools on, and tool schemas cleaned
+# of what llama.cpp's grammar compiler refuses (long pattern/maxLength values).
+OPENCLAW_COMPAT = {"supportsTools": True, "toolSchemaProfile": "llamacpp"}
 
 
 class NotPlanned(ControllerError, exit_code=1):
@@ -85,18 +91,35 @@ def openclaw(box: Box, service: Service, url: str, api_key: str) -> dict[str, An
         "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0},
         "contextWindow": service.ctx,
         "maxTokens": max_output_tokens(service.ctx),
+        "compat": dict(OPENCLAW_COMPAT),
     }
     provider = {"baseUrl": f"{url}/v1", "apiKey": api_key, "api": "openai-completions", "models": [model]}
     return {"provider_id": provider_id(box), "model_ref": f"{provider_id(box)}/{service.model}",
             "provider": provider}
 
 
+def context_warnings(service: Service, only: str | None = None) -> list[str]:
+    """One sentence, with the numbers, per client (``only``: that one) whose minimum context (AGENT_CLIENT_CTX, what
+    the planner gives a model that names the client) the service's planned context is below."""
+    warnings = []
+    for client in (only,) if only else CLIENTS:
+        least, prefer = AGENT_CLIENT_CTX[client]
+        if service.ctx < least:
+            warnings.append(f"{service.model} has {service.ctx} tokens of context; {client} needs at least {least} "
+                            f"(prefers {prefer}): {SHORT_CONTEXT[client]}. Name the client in the fleet file "
+                            f"(agents: [{client}] on the model or the box) and provision again: the planner then "
+                            f"gives it the context or says why it cannot")
+    return warnings
+
+
 def client_config(box: Box, plan: ServePlan, api_key: str, only: str | None = None) -> dict[str, Any]:
-    """For each planned service, what Claude Code and OpenClaw need (``only``: one of them)."""
+    """For each planned service, what Claude Code and OpenClaw need (``only``: one of them), and a warning per
+    client the service's context is too small for."""
     services = []
     for service in plan.services:
         url = base_url(box, service)
-        entry: dict[str, Any] = {"model": service.model, "base_url": url, "ctx": service.ctx}
+        entry: dict[str, Any] = {"model": service.model, "base_url": url, "ctx": service.ctx,
+                                 "warnings": context_warnings(service, only)}
         if only in (None, "claude-code"):
             entry["claude_code"] = claude_code(service, url, api_key)
         if only in (None, "openclaw"):
@@ -142,8 +165,15 @@ def box_api_key(box: Box) -> str:
 
 
 def clients_for(fleet: Fleet, box_name: str, inventory: Path, only: str | None = None) -> dict[str, Any]:
-    """The ``controller clients`` answer for a fleet box, from its rendered plan and its API key."""
+    """The ``controller clients`` answer for a fleet box, from its rendered plan and its API key.
+
+    Refuses (BoxSealed) a box this inventory sealed: its keys are the buyer's, the fleet's no longer opens it.
+    """
+    from controller.seal import refuse_sealed
+
     box = fleet.box(box_name)
+    refuse_sealed(inventory, box.name, "its API keys are the buyer's (only in the buyer's copy of the report) and "
+                  "the fleet's api_key no longer opens it, so there is no key to print")
     plan = load_plan(inventory, box)
     return client_config(box, plan, box_api_key(box), only)
 

@@ -28,9 +28,9 @@ from controller.clients import role_services
 from controller.errors import CatalogError, PlanError
 from controller.facts import driver_window, is_v100
 from controller.files import write_atomic
-from controller.fleet import Box, Fleet, check_api_key
+from controller.fleet import Box, Connection, Fleet, check_api_key
 from controller.profile import HardwareProfile
-from controller.serveplan import Download, DriverPlan, GatewayPlan, ServePlan
+from controller.serveplan import Download, DriverPlan, GatewayPlan, ServePlan, Service
 from controller.transports.known_hosts import known_hosts_file
 
 HEADER = "# Rendered by `controller`; edit the fleet file and re-render rather than this file.\n"
@@ -104,7 +104,7 @@ def _yaml(data: Any, operator_vars: dict[str, Any] | None = None) -> str:
     return HEADER + yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1000)
 
 
-def connection_vars(box: Box, known_hosts: Path | None = None) -> dict[str, Any]:
+def connection_vars(box: Connection, known_hosts: Path | None = None) -> dict[str, Any]:
     if box.transport == "local":
         return {"ansible_connection": "local"}
     out: dict[str, Any] = {"ansible_host": box.address, "ansible_port": box.effective_port, "ansible_user": box.user}
@@ -122,6 +122,20 @@ def connection_vars(box: Box, known_hosts: Path | None = None) -> dict[str, Any]
             # Plain `ansible-playbook -i hosts.yml` checks the same recorded keys the controller does.
             out["ansible_ssh_common_args"] = (f"-o StrictHostKeyChecking=yes -o UserKnownHostsFile="
                                               f"{shlex.quote(str(known_hosts))}")
+        if box.become and box.user != "root":
+            # One rule for boxes and workstations: an account other than root reaches root through sudo.
+            out["ansible_become"] = True
+    return out
+
+
+def connection_secrets(machine: Connection, what: str) -> dict[str, Any]:
+    """The login password of a box or workstation, which sudo asks for too when the account becomes root."""
+    if machine.password is None:
+        return {}
+    password = machine.password.resolve(f"{what} {machine.name} password")
+    out = {"ansible_password": password}
+    if machine.transport == "ssh" and machine.become and machine.user != "root":
+        out["ansible_become_password"] = password
     return out
 
 
@@ -200,7 +214,16 @@ def uses_nccl(plan: ServePlan) -> bool:
 def _gpus(profile: HardwareProfile) -> list[dict[str, Any]]:
     return [{"index": gpu.index, "name": gpu.name, "pci_bus_id": gpu.pci_bus_id, "is_v100": is_v100(gpu.name),
              "driver_model": profile.driver.model}
+            | ({"uuid": gpu.uuid} if gpu.uuid else {})
+            | ({"minor_number": gpu.minor_number} if gpu.minor_number is not None else {})
             for gpu in profile.gpus]
+
+
+def _sandbox(box: Box, service: Service) -> dict[str, Any]:
+    """The unit's device nodes (by minor number; none for a CPU service) and W^X memory, as the plan decided."""
+    if box.os != "linux":
+        return {}
+    return {"gpu_minors": service.gpu_minors, "memory_deny_write_execute": service.memory_deny_write_execute}
 
 
 def driver_vars(box: Box, profile: HardwareProfile, driver: DriverPlan) -> dict[str, Any]:
@@ -290,6 +313,7 @@ def host_vars(box: Box, profile: HardwareProfile, plan: ServePlan | None, driver
                 "nccl": service.nccl,
                 "api_key_flag": slots[service.engine].api_key_flag,
                 "no_slots_flags": slots[service.engine].no_slots_flags,
+                **_sandbox(box, service),
             }
             for service in plan.services
         ],
@@ -418,9 +442,7 @@ def secrets_for(box: Box, fleet: Fleet | None = None) -> dict[str, Any]:
         secrets["llama_service_api_key"] = check_api_key(box.api_key.resolve(what), what)
     if box.hf_token is not None and box.os == "linux":  # Windows boxes download models from a mirror
         secrets["gguf_model_hf_token"] = box.hf_token.resolve(f"box {box.name} hf_token")
-    if box.password is not None:
-        secrets["ansible_password"] = box.password.resolve(f"box {box.name} password")
-    return secrets
+    return secrets | connection_secrets(box, "box")
 
 
 def hosts_yml(fleet: Fleet, profiles: dict[str, HardwareProfile], known_hosts: Path | None = None) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from controller.errors import SealRefused
+from controller.errors import ControllerError, RunError, SealRefused
 from controller.files import inventory_lock
 from controller.fleet import Box, Fleet, check_api_key
 from controller.serveplan import ServePlan
@@ -30,12 +30,35 @@ STATS_KEY = "box_seal"
 KEY_BYTES = 32  # secrets.token_urlsafe(32): 43 characters of [A-Za-z0-9_-], within the servers' key rule
 
 
+class BoxSealed(ControllerError, exit_code=10):
+    """The box was sealed and handed over to its buyer: its keys are the buyer's, and the builder's no longer open it."""
+
+
 def sealed_at(report: Mapping[str, Any]) -> str | None:
     """When the report's box was sealed (None: not sealed)."""
     seal = report.get("seal")
     if isinstance(seal, Mapping):
         return str(seal.get("sealed_at") or "an unrecorded time")
     return None
+
+
+def sealed_box(inventory: Path, box_name: str) -> str | None:
+    """When this inventory sealed the box (its certification report records the seal); None: it did not."""
+    from controller.certify import read_report
+
+    return sealed_at(read_report(inventory, box_name) or {})
+
+
+def handed_over(when: str) -> str:
+    """What every command that would need the builder's access says about a sealed box."""
+    return f"sealed at {when} and handed over to its buyer"
+
+
+def refuse_sealed(inventory: Path, box_name: str, why: str) -> None:
+    """Raise BoxSealed for a box this inventory sealed; ``why`` says what the command cannot do about it."""
+    when = sealed_box(inventory, box_name)
+    if when is not None:
+        raise BoxSealed(f"box {box_name} was {handed_over(when)}: {why}")
 
 
 def check_certified(box: Box, report: Mapping[str, Any] | None, certify_command: str) -> None:
@@ -71,14 +94,17 @@ def new_keys(plan: ServePlan) -> dict[str, str]:
 
 
 def seal_vars(box: Box, sealed: str) -> dict[str, Any]:
-    """The play's variables that are no secret: what the buyer's SSH keys are, and when the seal ran."""
-    return {"box_seal_buyer_authorized_keys": list(box.seal.buyer_authorized_keys), "box_seal_sealed_at": sealed}
+    """The play's variables that are no secret: the buyer's SSH keys and account, and when the seal ran."""
+    return {"box_seal_buyer_authorized_keys": list(box.seal.buyer_authorized_keys),
+            "box_seal_buyer_account": box.seal.buyer_account or "", "box_seal_buyer_sudo": box.seal.buyer_sudo,
+            "box_seal_sealed_at": sealed}
 
 
-def changes(data: Mapping[str, Any], box_name: str) -> list[str]:
-    """The sentences the role published (set_stats) about what it changed on ``box_name``."""
+def changes(data: Mapping[str, Any], box_name: str, key: str = "changed") -> list[str]:
+    """The sentences the role published (set_stats) about ``box_name``: what it changed, or (``left``) what its
+    last step could not do."""
     answer = (data.get(STATS_KEY) or {}).get(box_name) or {}
-    return [str(line) for line in answer.get("changed") or []]
+    return [str(line) for line in answer.get(key) or []]
 
 
 def buyer_folder(fleet_path: Path) -> Path:
@@ -90,12 +116,14 @@ def seal(fleet: Fleet, fleet_path: Path, box_name: str, inventory: Path, buyer_d
          on_event: Any = None) -> dict[str, Any]:
     """Seal one certified box; returns ``{box, sealed, already, sealed_at, changed, reports, buyer_report}``.
 
-    Raises SealRefused (before any connection) for a box not certified, or one seal cannot hand over.
+    Raises SealRefused (before any connection) for a box not certified, or one seal cannot hand over; RunError
+    after the seal is recorded and the buyer's copy written when its last step could not do everything (it says
+    what to do by hand).
     """
     from controller.certify import read_report, report_path
     from controller.certify_report import write_buyer_copy, write_reports
     from controller.provision import rendered_plan
-    from controller.render import secrets_for
+    from controller.render import connection_secrets
     from controller.runner import run_playbook
 
     box = fleet.box(box_name)
@@ -118,13 +146,18 @@ def seal(fleet: Fleet, fleet_path: Path, box_name: str, inventory: Path, buyer_d
         keys = new_keys(plan)
         when = dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat()
         run = run_playbook(PLAYBOOK, inventory=inventory, limit=box.name,
-                           secrets={**secrets_for(box), "box_seal_api_keys": keys},
+                           # Only the login: the seal makes its own keys and downloads nothing, so the fleet's
+                           # api_key and hf_token are neither read nor needed.
+                           secrets={**connection_secrets(box, "box"), "box_seal_api_keys": keys},
                            extravars=seal_vars(box, when), on_event=on_event)
-        changed = changes(run.data, box.name)
-        report["seal"] = {"sealed_at": when, "changed": changed}
+        changed, left = changes(run.data, box.name), changes(run.data, box.name, "left")
+        report["seal"] = {"sealed_at": when, "changed": changed, **({"left": left} if left else {})}
         # The buyer's copy first: it is the only place the new keys live once this process ends.
         buyer_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         buyer = write_buyer_copy(buyer_dir, report, keys)
         reports = write_reports(inventory / "reports", report)
+    if left:
+        raise RunError(f"box {box.name} was sealed at {when} (the buyer's copy: {buyer['markdown']}), but its last step "
+                       f"could not {'; '.join(left)}: do that at the box's console")
     return {"box": box.name, "sealed": True, "already": False, "sealed_at": when, "changed": changed,
             "reports": reports, "buyer_report": buyer}

@@ -126,6 +126,8 @@ class Service(_Model):
     nccl: bool = False  # tensor split all-reduces through NCCL (GGML_CUDA_ALLREDUCE=nccl)
     template_file: str | None = None  # the chat template's path on the box
     draft: DraftService | None = None  # speculative decoding with a draft model; None: no draft model
+    gpu_minors: list[int] = Field(default_factory=list)  # Linux device nodes of ``gpus`` (/dev/nvidia<minor>), in order
+    memory_deny_write_execute: bool = False  # the unit refuses writable+executable memory: nothing compiles at run time
 
 
 class Unplaced(_Model):

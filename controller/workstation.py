@@ -20,7 +20,7 @@ from controller.clients import box_api_key, load_plan, role_services
 from controller.errors import FleetError
 from controller.files import inventory_lock, write_atomic
 from controller.fleet import Fleet, Workstation
-from controller.render import _yaml, connection_vars
+from controller.render import _yaml, connection_secrets, connection_vars
 from controller.runner import EventHandler, RunResult, run_playbook
 from controller.transports.known_hosts import known_hosts_file
 
@@ -48,16 +48,14 @@ def workstation_vars(fleet: Fleet, station: Workstation, inventory: Path) -> dic
             scripts[script] = name
             services.append(service)
     linux = {"ansible_python_interpreter": "/usr/bin/python3"} if station.os == "linux" else {}
-    become = {"ansible_become": True} if station.os == "linux" and station.become and station.user != "root" else {}
-    return {**linux, **become, "agent_clients_services": services, "agent_clients_users": station.wired_accounts,
+    return {**linux, "agent_clients_services": services, "agent_clients_users": station.wired_accounts,
             "agent_clients_openclaw": station.openclaw}
 
 
 def workstation_secrets(fleet: Fleet, station: Workstation) -> dict[str, Any]:
     """The run's secrets: each named box's API key (by box name), and the login password when there is one."""
     secrets: dict[str, Any] = {"agent_clients_keys": {name: box_api_key(fleet.box(name)) for name in station.boxes}}
-    if station.password is not None:
-        secrets["ansible_password"] = station.password.resolve(f"workstation {station.name} password")
+    secrets |= connection_secrets(station, "workstation")
     return secrets
 
 

@@ -10,14 +10,16 @@ them as a flat repository (``Packages``, ``Packages.gz``, ``Release``) that apt 
 * every driver version in :data:`DRIVER_VERSIONS` (one below the window, two inside it, one above it so
   that an unpinned apt would take it): ``nvidia-driver``, ``nvidia-kernel-dkms`` (proprietary modules),
   ``nvidia-kernel-open-dkms`` and the ``nvidia-open`` metapackage (open modules, which Volta cannot
-  use), ``nvidia-smi``, ``libnvidia-ml1``, ``libcuda1`` and ``nvidia-persistenced``;
+  use), ``nvidia-smi``, ``libnvidia-ml1``, ``libcuda1``, ``nvidia-persistenced`` and ``nvidia-modprobe``;
 * ``libnccl2`` for CUDA 12 and for CUDA 13, each with a real shared library ``libnccl.so.2``, compiled
   here with ``cc``, whose ``ncclGetVersion`` reports the package's version.
 
 ``nvidia-driver`` depends on ``nvidia-kernel-open-dkms | nvidia-kernel-dkms``, open first, so apt takes
 the open modules unless the proprietary package is named: a role that forgets it installs the wrong one.
 The stand-in ``nvidia-smi`` (Python) prints the GPUs of :data:`GPUS` (an ``/etc/nvidia-smi-standin/gpus.csv``
-on the box replaces them) with its own package version as the driver version. No package carries a
+on the box replaces them) with its own package version as the driver version. The stand-in
+``nvidia-modprobe`` (sh) loads nothing but makes the device nodes the real one makes, as character devices
+with no driver behind them (in a privileged container; see :data:`NVIDIA_MODPROBE`). No package carries a
 kernel module and no maintainer script does anything.
 
 Built repositories are cached under ``~/.cache/v100-llm-box/aptrepo/<hash of the inputs>``.
@@ -118,10 +120,24 @@ def table():
     return 0
 
 
+def details():
+    """nvidia-smi -q, the identity lines of each section only; each card's minor number is its index."""
+    print("==============NVSMI LOG==============\n")
+    print(f"{'Driver Version':<55}: {VERSION}\n{'CUDA Version':<55}: 12.9\n")
+    print(f"{'Attached GPUs':<55}: {len(gpus())}")
+    for gpu in gpus():
+        print(f"GPU {gpu['pci.bus_id']}")
+        for key, value in (("Product Name", gpu["name"]), ("GPU UUID", gpu["uuid"]), ("Minor Number", gpu["index"])):
+            print(f"    {key:<51}: {value}")
+    return 0
+
+
 def main(args):
     options = dict(arg.split("=", 1) for arg in args if arg.startswith("--") and "=" in arg)
     if not args:
         return table()
+    if args == ["-q"]:
+        return details()
     if "--query-gpu" in options:
         return query(options["--query-gpu"], options.get("--format", ""))
     if args in (["-pm", "1"], ["--persistence-mode=1"]):
@@ -138,6 +154,39 @@ def main(args):
 
 sys.exit(main(sys.argv[1:]))
 '''
+
+NVIDIA_MODPROBE = r"""#!/bin/sh
+# Lab stand-in for nvidia-modprobe (lab.aptrepo): loads no module, makes the device nodes the real one makes
+# (mode 0666): -c=N /dev/nvidiaN (N=255: /dev/nvidiactl) with nvidia's major 195; -u -c=N /dev/nvidia-uvm (N) and
+# /dev/nvidia-uvm-tools (N+1) with the major /proc/devices gives nvidia-uvm, else 60, a major the kernel keeps for
+# local use and never gives a driver. Without a driver behind them, opening one answers ENXIO where a device policy
+# lets it through (EPERM where it does not). It needs a privileged container (CAP_MKNOD, an open device cgroup).
+# Prints each node as "made" or "existed".
+uvm=0 minors=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -u|--unified-memory) uvm=1 ;;
+    -c=*|--create-nvidia-device-file=*) minors="$minors ${1#*=}" ;;
+    -c|--create-nvidia-device-file) shift; minors="$minors $1" ;;
+    *) echo "stand-in nvidia-modprobe: unsupported argument: $1" >&2; exit 1 ;;
+  esac
+  shift
+done
+uvm_major=$(awk '$2 == "nvidia-uvm" {print $1}' /proc/devices)
+node() {
+  if [ -e "$1" ]; then echo "$1 existed"; else mknod -m 666 "$1" c "$2" "$3" && echo "$1 made" || exit 1; fi
+}
+for minor in $minors; do
+  if [ "$uvm" = 1 ]; then
+    node /dev/nvidia-uvm "${uvm_major:-60}" "$minor"
+    node /dev/nvidia-uvm-tools "${uvm_major:-60}" $((minor + 1))
+  elif [ "$minor" = 255 ]; then
+    node /dev/nvidiactl 195 255
+  else
+    node "/dev/nvidia$minor" 195 "$minor"
+  fi
+done
+"""
 
 PERSISTENCED = """#!/bin/sh
 # Lab stand-in for nvidia-persistenced (lab.aptrepo): a harmless daemon holding a socket path.
@@ -240,6 +289,8 @@ def driver_packages(version: str, gpus: tuple[tuple[str, str, str, str], ...] = 
                 files={"usr/bin/nvidia-persistenced": (PERSISTENCED.encode(), 0o755),
                        "lib/systemd/system/nvidia-persistenced.service": (PERSISTENCED_UNIT.encode(), 0o644)},
                 section="non-free/utils"),
+        Package("nvidia-modprobe", version, "utility to load NVIDIA kernel modules and create device nodes",
+                files={"usr/bin/nvidia-modprobe": (NVIDIA_MODPROBE.encode(), 0o755)}, section="non-free/utils"),
     ]
 
 

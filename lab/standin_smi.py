@@ -11,11 +11,13 @@ container that answers each argument form the probe uses with a captured output:
     nvidia-smi nvlink -s                     -> nvidia-smi-nvlink.txt
     nvidia-smi --query-gpu=SAMPLE_QUERY --format=csv,noheader,nounits  -> nvidia-smi-sample.csv
     nvidia-smi --query-gpu=POWER_QUERY --format=csv,noheader,nounits   -> nvidia-smi-power.csv
+    nvidia-smi --query-compute-apps=COMPUTE_APPS_QUERY --format=csv,noheader,nounits -> nvidia-smi-compute-apps.csv
     nvidia-smi -pm 1, nvidia-smi -i N -pl W  -> succeed (logged only)
 
 The last forms serve the thermal guard, the power limits (roles/thermal_guard) and the burn-in: a test
 rewrites the sample with :func:`set_sample` to set the temperatures the box reports, and the card's power
-range with :func:`set_power_range`.
+range with :func:`set_power_range`, and what each process holds on each card (certify compares it with the plan)
+with :func:`set_compute_apps`.
 
 A form whose capture is missing fails like a broken tool (message on stderr, exit 9), so a machine
 captured with the default table only probes as "GPUs from the table". Each call's arguments are
@@ -44,10 +46,14 @@ SAMPLE_QUERY = ("index,uuid,temperature.gpu,temperature.memory,power.draw,power.
 """The fields the thermal guard and the burn-in sample each GPU with (--format=csv,noheader,nounits)."""
 POWER_QUERY = "index,power.min_limit,power.max_limit,power.default_limit"
 """The fields a power limit is checked against (--format=csv,noheader,nounits)."""
+COMPUTE_APPS_QUERY = "pid,used_memory,gpu_uuid,gpu_bus_id,process_name"
+"""What each process holds on each card (plugins/modules/llama_box_state.py, --format=csv,noheader,nounits)."""
 SAMPLE_FILE = "nvidia-smi-sample.csv"
 POWER_FILE = "nvidia-smi-power.csv"
-READING_FILES = (SAMPLE_FILE, POWER_FILE)
-"""Not captures of a machine: the readings a test sets (:func:`set_sample`, :func:`set_power_range`)."""
+COMPUTE_APPS_FILE = "nvidia-smi-compute-apps.csv"
+READING_FILES = (SAMPLE_FILE, POWER_FILE, COMPUTE_APPS_FILE)
+"""Not captures of a machine: the readings a test sets (:func:`set_sample`, :func:`set_power_range`,
+:func:`set_compute_apps`)."""
 _CSV_FORMAT = "--format=csv,noheader,nounits"
 
 
@@ -74,6 +80,7 @@ def standin_script(capture_dir: str = CAPTURE_DIR, call_log: str = CALL_LOG) -> 
         'case "$*" in',
         f"  '--query-gpu={SAMPLE_QUERY} {_CSV_FORMAT}') {answer(SAMPLE_FILE)} ;;",
         f"  '--query-gpu={POWER_QUERY} {_CSV_FORMAT}') {answer(POWER_FILE)} ;;",
+        f"  '--query-compute-apps={COMPUTE_APPS_QUERY} {_CSV_FORMAT}') {answer(COMPUTE_APPS_FILE)} ;;",
         "  '-pm 1') echo 'Persistence mode is already Enabled for GPU 00000000:00:00.0.' ;;",
         "  '-i '[0-9]*' -pl '[0-9]*) echo \"Power limit for GPU $2 was set to $4 W (stand-in).\" ;;",
         f"  --query-gpu=*' --format=csv') {answer('nvidia-smi-query.csv')} ;;",
@@ -131,6 +138,11 @@ def _write(box: _Box, name: str, text: str) -> None:
              input=text)
 
 
+def compute_apps_csv(rows: list[Mapping[str, object]]) -> str:
+    """What nvidia-smi prints for COMPUTE_APPS_QUERY: one line per process and card, nothing when none holds one."""
+    return _csv(rows, COMPUTE_APPS_QUERY)
+
+
 def set_sample(box: _Box, rows: list[Mapping[str, object]]) -> None:
     """Set what the stand-in reports for SAMPLE_QUERY, e.g. ``[{"index": 0, "temperature.gpu": 86}]``."""
     _write(box, SAMPLE_FILE, sample_csv(rows))
@@ -139,6 +151,12 @@ def set_sample(box: _Box, rows: list[Mapping[str, object]]) -> None:
 def set_power_range(box: _Box, rows: list[Mapping[str, object]]) -> None:
     """Set what the stand-in reports for POWER_QUERY, e.g. ``[{"index": 0, "power.min_limit": 100, ...}]``."""
     _write(box, POWER_FILE, power_csv(rows))
+
+
+def set_compute_apps(box: _Box, rows: list[Mapping[str, object]]) -> None:
+    """Set what the stand-in reports for COMPUTE_APPS_QUERY, e.g.
+    ``[{"pid": 4242, "used_memory": 20610, "gpu_uuid": "GPU-...", "gpu_bus_id": "00000000:00:06.0"}]`` (MiB)."""
+    _write(box, COMPUTE_APPS_FILE, compute_apps_csv(rows))
 
 
 def calls(box: _Box) -> list[str]:

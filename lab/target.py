@@ -112,12 +112,15 @@ class Target:
         image: str | None = None,
         owner: str | None = None,
         timeout: float = 90.0,
+        cgroupns: str | None = None,
     ) -> Target:
         """Start a target and wait until systemd has booted and sshd answers.
 
         ``pubkey_path`` defaults to the lab keypair; its private half (the same path without
         ``.pub``) becomes ``key_path`` when it exists. ``owner`` is ``"manual"`` for targets that
         must outlive this process; by default the sweeper removes them once this process is gone.
+        ``cgroupns="private"`` gives the container a cgroup namespace of its own: on a cgroup v1 host only then
+        can its systemd put units into the v1 controllers, so that a unit's device policy is enforced.
         """
         image = image or ensure_image()
         if pubkey_path is None:
@@ -138,7 +141,7 @@ class Target:
             )
             port = target.ssh_port
             try:
-                target._create(pubkey_path.read_text(), owner)
+                target._create(pubkey_path.read_text(), owner, cgroupns)
                 podman("start", target.name, what=f"start container {target.name}")
                 target._wait_until_ready(timeout)
                 return target
@@ -151,12 +154,13 @@ class Target:
             f"sshd could not bind {LOOPBACK}:{port}: something else listens there; pick another port"
         )
 
-    def _create(self, pubkey: str, owner: str) -> None:
+    def _create(self, pubkey: str, owner: str, cgroupns: str | None = None) -> None:
         podman(
             "create", "--name", self.name, "--hostname", self.name,
             "--label", f"{LABEL}=1", "--label", f"{OWNER_LABEL}={owner}",
             "--label", f"{PORT_LABEL}={self.ssh_port}", "--label", f"{KEY_LABEL}={self.key_path or ''}",
             "--privileged", "--systemd=always", "--network=host",
+            *([f"--cgroupns={cgroupns}"] if cgroupns else []),
             # / shared, as systemd makes it on a real machine: LoadCredential= (API keys) needs it.
             self.image, "/bin/sh", "-c", "mount --make-rshared / && exec /sbin/init",
             what=f"create container {self.name}",

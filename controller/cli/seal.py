@@ -15,12 +15,14 @@ from controller.cli.options import box_command, inventory_for, load
               help="Folder for the buyer's copy of the report, the only file with the new API keys "
                    "[default: buyer/ beside the fleet file].")
 def seal(box: str, fleet_path: Path, inventory: Path | None, as_json: bool, buyer_dir: Path | None) -> None:
-    """Seal certified BOX for its buyer: rotate the servers' API keys, remove the builder's SSH keys and
-    credentials, clear shell history and provisioning logs, regenerate host keys and machine id on first boot,
-    and leave a first-boot note. Records the seal in the certification report; the new keys go only into the
-    buyer's copy.
+    """Seal certified BOX for its buyer: rotate the servers' API keys, clear shell history, provisioning logs and
+    the journal, regenerate host keys and machine id on first boot, leave a first-boot note, and, last, leave the
+    buyer's keys the only authorized SSH keys, lock the passwords and remove the account it connects as with its
+    sudo rules (unless it is root or the fleet's seal.buyer_account). Records the seal in the certification
+    report; the new API keys go only into the buyer's copy.
 
-    Refused (exit 10) for a box without a passed certification; a sealed box is left alone (exit 0)."""
+    Refused (exit 10) for a box without a passed certification; a sealed box is left alone (exit 0); exit 5 when
+    the last step could not do everything (the seal is recorded and the line says what to do at the console)."""
     from controller.progress import Progress
     from controller.seal import buyer_folder
     from controller.seal import seal as seal_box

@@ -21,7 +21,8 @@ def status(boxes: tuple[str, ...], everything: bool, fleet_path: Path, inventory
 
     Never changes a box (playbooks/status.yml runs in check mode). Exit 0 when every box answers, every
     planned server is running and healthy and nothing drifted; 3 a box did not answer (or was never
-    provisioned), 6 a server is stopped or unhealthy, 9 drift only.
+    provisioned), 6 a server is stopped or unhealthy, 9 drift only. A box this inventory sealed is named as
+    handed over, not read, and changes no exit code.
     """
     from controller.verify.status import exit_code, run_status, to_json
 
@@ -44,6 +45,8 @@ def _table(rows: list[list[str]]) -> list[str]:
 
 def human(box) -> str:  # type: ignore[no-untyped-def]
     """One box: a headline, a table of its services, its engines, models and GPUs, then one line per drift."""
+    if box.sealed:
+        return f"{box.name}: {box.error}"
     if not box.reachable:
         return f"{box.name}: unreachable: {box.error}" + "".join(
             f"\n  drift {d.what}: {d.detail}\n    fix: {d.fix}" for d in box.drift)

@@ -7,12 +7,17 @@ file and the engine catalog, never the placement rules.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+
 from controller.catalog import EngineEntry
 from controller.planner.fit import Fit
 from controller.planner.placement import Placement, split_fractions
+from controller.profile import Gpu
 from controller.serveplan import Service
 
 CACHE_RAM_MIB = 16384  # the kit's -cram for ik_llama.cpp
+_UUID = re.compile(r"GPU-[0-9A-Fa-f-]+")  # what nvidia-smi prints and CUDA_VISIBLE_DEVICES takes
 
 
 def tensor_split(fit: Fit, engine: EngineEntry, split_mode: str) -> str:
@@ -29,13 +34,20 @@ def tensor_split(fit: Fit, engine: EngineEntry, split_mode: str) -> str:
     return split_fractions(fit.shares)
 
 
-def environment(place: Placement, mixed_models: bool) -> dict[str, str]:
-    """CUDA_VISIBLE_DEVICES pinning, and the device order and all-reduce it depends on."""
+def environment(place: Placement, cards: Sequence[Gpu]) -> dict[str, str]:
+    """CUDA_VISIBLE_DEVICES pinning, and the all-reduce it depends on.
+
+    ``cards`` are the profile's GPUs of the placement, in its order. Each is named by its UUID, which is the
+    card whatever the numbering; CUDA numbers them in the order given (CUDA0 is the first). A card without a
+    UUID leaves only nvidia-smi's indices, which mean the same cards to CUDA only with CUDA_DEVICE_ORDER=PCI_BUS_ID
+    (CUDA's default numbers the fastest first, nvidia-smi by PCI bus).
+    """
     if place.gpus is None:
         return {}
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, place.gpus.gpus))}
-    if mixed_models:
-        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    if cards and all(card.uuid and _UUID.fullmatch(card.uuid) for card in cards):
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(str(card.uuid) for card in cards)}
+    else:
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, place.gpus.gpus)), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     if place.fit.split_mode == "tensor" and place.engine.nccl:
         env["GGML_CUDA_ALLREDUCE"] = "nccl"
     return env

@@ -18,7 +18,7 @@ from controller.facts import DEFAULT_MODEL_DIR, TEMPLATE_DIR, box_path
 from controller.fleet import Box, Mirror, WantedModel
 from controller.planner import draft as drafting
 from controller.planner import fit as fitting
-from controller.planner import sources
+from controller.planner import sandbox, sources
 from controller.planner.commandline import CACHE_RAM_MIB, command_line, environment, load_flags
 from controller.planner.placement import (
     HOST_RESERVE_MIB,
@@ -113,13 +113,17 @@ def _auth_reason(engine: EngineEntry) -> str:
 
 
 
-def _env_reason(env: dict[str, str]) -> list[str]:
+def _env_reason(env: dict[str, str], gpus: Sequence[int]) -> list[str]:
     if not env:
         return []
     reason = f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}: the service sees only its own cards"
     if "CUDA_DEVICE_ORDER" in env:
-        reason += ("; CUDA_DEVICE_ORDER=PCI_BUS_ID because the box mixes GPU models and CUDA would otherwise number "
-                   "them fastest-first, unlike nvidia-smi")
+        reason += (", by nvidia-smi index because the profile records no UUID for them; CUDA_DEVICE_ORDER=PCI_BUS_ID "
+                   "so that CUDA numbers the cards by PCI bus as nvidia-smi does, not fastest first")
+    else:
+        order = ", ".join(f"CUDA{position} is GPU {index}" for position, index in enumerate(gpus))
+        reason += (f", named by UUID so that no numbering (nvidia-smi's by PCI bus, CUDA's fastest first) can give it "
+                   f"another card; CUDA numbers them in this order ({order})")
     return [reason]
 
 
@@ -131,10 +135,16 @@ def _service(index: int, name: str, want: WantedModel, entry: ModelEntry, model:
     swa = swa_reason(entry, model, fit.ctx)
     threads, threads_reason = _threads(ctx, place)
     spec_decoding, mtp_reason = _mtp(entry, model, engine)
-    env = environment(place, ctx.pool.mixed)
+    cards = [next(gpu for gpu in ctx.profile.gpus if gpu.index == index) for index in (gset.gpus if gset else ())]
+    env = environment(place, cards)
     reasons += [r for r in (agent_reason(want, fit.ctx), swa, threads_reason, _ubatch_reason(place),
                             _slots_reason(want.agents, engine), mtp_reason, _template_reason(entry)) if r]
-    reasons += _env_reason(env)
+    reasons += _env_reason(env, gset.gpus if gset else ())
+    minors, deny_wx = [], False
+    if os == "linux":  # systemd's sandbox; a Windows service has no device list
+        minors, device_reasons = sandbox.device_minors(cards)
+        deny_wx, wx_reason = sandbox.deny_write_execute(engine, cards)
+        reasons += [*device_reasons, wx_reason]
     reasons.append(f"port {port}: the box's base port plus the model's place ({index}) in the wanted list")
     reasons.append(_auth_reason(engine))
     cpu_mib = fit.device_mib[-1]
@@ -160,6 +170,7 @@ def _service(index: int, name: str, want: WantedModel, entry: ModelEntry, model:
         memory=ServiceMemory(per_device_mib=memory), reasons=reasons,
         mlock=place.offload, nccl=env.get("GGML_CUDA_ALLREDUCE") == "nccl",
         template_file=box_path(os, template_dir, entry.template) if entry.template else None,
+        gpu_minors=minors, memory_deny_write_execute=deny_wx,
     )
     service.args = command_line(service, place, box_path(os, model_dir, entry.file), cram)
     return service, cpu_mib + (CACHE_RAM_MIB if cram else 0)

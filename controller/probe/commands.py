@@ -37,6 +37,8 @@ LINUX_PROBE_COMMANDS: dict[str, str] = {
         f"{_WITH_WSL_PATH}out=$({_SMI} --query-gpu={_QUERY} --format=csv) && printf '%s\\n' \"$out\" "
         f"|| {_SMI} --query-gpu={_QUERY_WITHOUT_CAP} --format=csv"),
     "nvidia-smi.txt": _smi(""),
+    # Each card's device minor number (/dev/nvidia<minor>): no --query-gpu field gives it on every driver.
+    "nvidia-smi-q.txt": _smi(" -q"),
     "nvidia-smi-topo.txt": _smi(" topo -m"),
     "nvidia-smi-nvlink.txt": _smi(" nvlink -s"),
     "cpuinfo": _quiet("cat /proc/cpuinfo"),

@@ -1,4 +1,4 @@
-"""Parsers for ``nvidia-smi --query-gpu ... --format=csv`` and the default ``nvidia-smi`` table.
+"""Parsers for ``nvidia-smi --query-gpu ... --format=csv``, the default ``nvidia-smi`` table and ``nvidia-smi -q``.
 
 Both produce :class:`SmiReading`: per-GPU fields keyed by the nvidia-smi index plus the driver facts.
 The CSV is preferred because it is meant for machines; the table is what people paste and what a box
@@ -8,6 +8,9 @@ The table has had three layouts that matter here (before R530, R535–R545, R555
 Windows the ``Persistence-M`` column is ``Driver-Model`` (``TCC/WDDM`` before R555). They differ in
 column widths and wording, not in structure, so the table is read cell by cell between the ``|``
 separators instead of by character positions.
+
+``nvidia-smi -q`` is read for one thing the other two never print: each card's device minor number
+(``/dev/nvidia<minor>``), which ``--query-gpu`` has no field for on every driver.
 """
 
 from __future__ import annotations
@@ -361,3 +364,57 @@ def _finish_block(state: _TableState, reading: SmiReading, warnings: Warnings, f
         where = "the table ends" if at_end else "the next row starts"
         warnings.add(file, gpu.line, f"{where} before GPU {gpu.index}'s usage line (output cut short?); its memory is unknown")
     state.current, state.has_memory_line = None, False
+
+
+# -------------------------------------------------------------------------------------------- -q
+
+MAX_CARD_MINOR = 253  # 254 and 255 are the driver's own nodes (nvidia-modeset, nvidiactl)
+_Q_GPU = re.compile(r"^GPU\s+(?P<bus>[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-9A-Fa-f])\s*$")
+_Q_FIELD = re.compile(r"^\s+(?P<key>[^:]*?\S)\s*:\s*(?P<value>.*?)\s*$")
+
+
+@dataclass
+class QueryGpu:
+    """One ``GPU <bus id>`` section of ``nvidia-smi -q``: what it says about the card's identity."""
+
+    pci_bus_id: str
+    line: int
+    uuid: str | None = None
+    minor_number: int | None = None
+
+
+def parse_smi_q(text: str, warnings: Warnings, file: str = "nvidia-smi-q.txt") -> list[QueryGpu]:
+    """Read each card's UUID and minor number from ``nvidia-smi -q`` (sections ``GPU <bus id>``, in index order).
+
+    Only the fields directly under a section's header count (``GPU UUID``, ``Minor Number``): deeper ones such as
+    ``ClusterUUID`` belong to sub-sections. Windows prints ``Minor Number : N/A``: no device node, no number.
+    """
+    if looks_binary(text):
+        warnings.add(file, None, "is not text (binary data); ignored")
+        return []
+    lines = clean_lines(text)
+    found: list[QueryGpu] = []
+    current: QueryGpu | None = None
+    for line in lines:
+        header = _Q_GPU.match(line.text)
+        if header:
+            current = QueryGpu(pci_bus_id=header.group("bus"), line=line.number)
+            found.append(current)
+            continue
+        field_match = _Q_FIELD.match(line.text)
+        if current is None or field_match is None or len(line.text) - len(line.text.lstrip(" ")) != 4:
+            continue
+        key, value = field_match.group("key"), field_match.group("value")
+        if key == "GPU UUID" and not is_placeholder(value):
+            current.uuid = value
+        elif key == "Minor Number" and not is_placeholder(value):
+            if value.isdigit() and int(value) <= MAX_CARD_MINOR:
+                current.minor_number = int(value)
+            else:
+                warnings.add(file, line.number, f"Minor Number {shorten(value)!r} of the GPU at {current.pci_bus_id} "
+                             f"is not a card's device minor number (0 to {MAX_CARD_MINOR}); its device node is unknown")
+    if not found and any(line.text.strip() for line in lines):
+        lowered = text.lower()
+        if not any(needle in lowered for needle, _ in _MESSAGES):  # nvidia-smi.txt reports those already
+            warnings.add(file, None, "no GPU section found in it (expected lines 'GPU 00000000:04:00.0' of nvidia-smi -q)")
+    return found

@@ -71,6 +71,7 @@ class BoxStatus:
     gpus: list[dict[str, Any]] = field(default_factory=list)  # nvidia-smi's fields + memory_planned_mib
     gpu_error: str = ""
     locked: bool = False  # the fleet's lock has an entry for this box (and it was compared)
+    sealed: str = ""  # when this inventory sealed the box: handed over, not read (the builder's keys no longer open it)
 
     @property
     def healthy(self) -> bool:
@@ -83,6 +84,7 @@ class BoxStatus:
 
 
 def exit_code(boxes: Sequence[BoxStatus]) -> int:
+    boxes = [box for box in boxes if not box.sealed]  # handed over: not the builder's to watch any more
     if any(not box.reachable for box in boxes):
         return EXIT_UNREACHABLE
     if any(not box.healthy for box in boxes):
@@ -309,9 +311,13 @@ def _lock_entries(fleet_path: Path) -> dict[str, Any] | None:
 def run_status(fleet: Fleet, names: Sequence[str], inventory: Path, fleet_path: Path,
                on_event: EventHandler | None = None) -> list[BoxStatus]:
     """Read every named box at once (one run of playbooks/status.yml) and compare each with its plan and lock."""
+    from controller.seal import handed_over, sealed_box
+
     plans = {name: _load_plan(inventory, name) for name in names}
+    sealed = {name: when for name in names if (when := sealed_box(inventory, name)) is not None}
     lock = _lock_entries(fleet_path)
-    readable = [name for name in names if plans[name] is not None and fleet.box(name).os == "linux"]
+    readable = [name for name in names
+                if plans[name] is not None and fleet.box(name).os == "linux" and name not in sealed]
     result: RunResult | None = None
     if readable:
         result = run_playbook(PLAYBOOK, inventory=inventory, limit=",".join(readable), on_event=on_event,
@@ -325,6 +331,10 @@ def run_status(fleet: Fleet, names: Sequence[str], inventory: Path, fleet_path: 
     boxes = []
     for name in names:
         box = fleet.box(name)
+        if name in sealed:
+            boxes.append(BoxStatus(name, False, sealed=sealed[name], error=f"{handed_over(sealed[name])}: the "
+                                   "builder's SSH keys no longer open it, so status does not read it"))
+            continue
         if plans[name] is not None and box.os != "linux":
             boxes.append(BoxStatus(name, False, error="status reads Linux boxes only; use `controller verify` on "
                                    "a Windows box"))

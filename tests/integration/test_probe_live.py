@@ -82,8 +82,10 @@ def test_probe_json_over_ssh_reports_the_fixture_machine(systemd_target: Target,
     assert profile["warnings"] == []
     # One round trip asked for each output once (the query first, with compute_cap).
     asked = standin_smi.calls(systemd_target)
-    assert len(asked) == 4 and asked[0].startswith("--query-gpu=index,uuid,") and "compute_cap" in asked[0]
-    assert asked[1:] == ["", "topo -m", "nvlink -s"]
+    assert len(asked) == 5 and asked[0].startswith("--query-gpu=index,uuid,") and "compute_cap" in asked[0]
+    assert asked[1:] == ["", "-q", "topo -m", "nvlink -s"]
+    # nvidia-smi -q gave each card its device node's minor number, which on this box is not its index.
+    assert [gpu["minor_number"] for gpu in profile["gpus"]] == [2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9]
 
 
 def test_a_box_captured_with_the_table_only_takes_gpus_from_the_table(systemd_target: Target, fleet: Path) -> None:

@@ -56,7 +56,9 @@ def test_cpu_box_gets_the_cpu_engine_with_one_thread_per_core(tmp_path, catalog)
 def test_v100_box_pins_the_model_to_one_gpu(tmp_path, catalog):
     f = fleet(tmp_path, models=[{"id": "gemma4-26b-a4b-qat-q4_0"}])
     (service,) = plan_box(f.box("box1"), v100_profile(), catalog).services
-    assert service.engine == "upstream-02182fc" and service.gpus == [0] and service.env == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert service.engine == "upstream-02182fc" and service.gpus == [0]
+    # No UUID in this profile: nvidia-smi's index, which CUDA numbers alike only in PCI bus order.
+    assert service.env == {"CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     assert service.threads == 6 and service.n_gpu_layers == 99 and service.cache_type_k == "q8_0"
     assert "--chat-template-file" in service.args and "--jinja" in service.args
 
@@ -137,7 +139,8 @@ def test_render_carries_a_split_service_env_and_engine_pack(tmp_path):
     host_vars = yaml.safe_load(next(p for p in paths if p.name == "box1.yml").read_text())
     (instance,) = host_vars["llama_service_instances"]
     assert instance["engine"] == "upstream-nccl" and not instance["mlock"]
-    assert instance["env"] == {"CUDA_VISIBLE_DEVICES": "0,1", "GGML_CUDA_ALLREDUCE": "nccl"}
+    uuids = [gpu.uuid for gpu in dual.gpus]
+    assert instance["env"] == {"CUDA_VISIBLE_DEVICES": ",".join(uuids), "GGML_CUDA_ALLREDUCE": "nccl"}
     assert "--split-mode" in instance["args"] and instance["args"][instance["args"].index("--split-mode") + 1] == "tensor"
     assert host_vars["llama_engine_packs"][0]["url"].endswith("llama-upstream-nccl-02182fc-linux-x86_64-cuda12.6-sm70.tar.gz")
     # NCCL all-reduce: the driver role installs libnccl2 and verify loads it

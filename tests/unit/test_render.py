@@ -184,3 +184,19 @@ def test_plain_ansible_checks_the_host_keys_the_controller_recorded(tmp_path):
     ssh_args = hosts["linux"]["hosts"]["a1"]["ansible_ssh_common_args"]
     assert ssh_args == f"-o StrictHostKeyChecking=yes -o UserKnownHostsFile='{inventory.resolve()}/known_hosts'"
     assert "ansible_ssh_common_args" not in hosts["windows"]["hosts"]["c3"]
+
+
+def test_a_box_reached_as_a_sudo_account_becomes_root_as_a_workstation_does(tmp_path):
+    """`user: builder` with the fleet's default `become: true` gets sudo for its root tasks (and sudo the login
+    password when there is one); root, `become: false` and WinRM get none. Workstations take the same connection_vars."""
+    from controller.render import connection_vars, secrets_for
+
+    (tmp_path / "pw").write_text("builder-password")
+    fleet = parse_fleet({"boxes": {"b1": {"address": "192.0.2.5", "user": "builder", "password": {"file": str(tmp_path / "pw")}},
+                                   "b2": {"address": "192.0.2.6"},
+                                   "b3": {"address": "192.0.2.7", "user": "builder", "become": False},
+                                   "c3": {"address": "192.0.2.8", "os": "windows", "transport": "winrm", "user": "admin"}}},
+                        tmp_path / "fleet.yml")
+    assert connection_vars(fleet.box("b1"))["ansible_become"] is True
+    assert secrets_for(fleet.box("b1"))["ansible_become_password"] == "builder-password"
+    assert [("ansible_become" in connection_vars(fleet.box(name))) for name in ("b2", "b3", "c3")] == [False] * 3

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import yaml
 
-from controller.errors import FleetError, SealRefused
+from controller.errors import FleetError, RunError, SealRefused
 from controller.fleet import API_KEY_RULE, WantedModel, load_fleet
 from controller.planner import plan_models
 from controller.runner import RunResult
-from controller.seal import changes, check_certified, check_sealable, new_keys, seal, sealed_at
-from tests.cli import run_controller
+from controller.seal import BoxSealed, changes, check_certified, check_sealable, new_keys, seal, sealed_at
+from tests.cli import invoke, run_controller
 from tests.unit.clean_errors import assert_one_line_error
 from tests.unit.planner.helpers import CPU_ONLY, catalog, profile
 
@@ -57,14 +57,20 @@ def no_pdf(monkeypatch):
 
 
 @pytest.fixture
-def fake_run(monkeypatch):
+def published():
+    """What the fake run publishes for the box (box_seal's set_stats); a test may add ``left``."""
+    return {"changed": CHANGED}
+
+
+@pytest.fixture
+def fake_run(monkeypatch, published):
     """run_playbook replaced: records what it was handed and publishes what box_seal would."""
     calls: list[dict[str, Any]] = []
 
     def run(playbook: str, **kwargs: Any) -> RunResult:
         calls.append({"playbook": playbook, **kwargs})
         return RunResult(playbook=playbook, status="successful", rc=0, elapsed=1.0,
-                         data={"box_seal": {kwargs["limit"]: {"changed": CHANGED}}})
+                         data={"box_seal": {kwargs["limit"]: published}})
 
     monkeypatch.setattr("controller.runner.run_playbook", run)
     return calls
@@ -175,3 +181,90 @@ def test_the_command_refuses_an_uncertified_box_in_one_line(tmp_path):
     assert_one_line_error(done, 10, "box1", f"controller certify box1 --fleet {fleet_path}")
     missing = run_controller("seal", "nosuch", "--fleet", str(fleet_path), timeout=60)
     assert_one_line_error(missing, 2, "nosuch")
+
+
+def test_a_buyer_account_needs_the_buyers_keys_and_sudo_needs_the_account(tmp_path):
+    fleet = load_fleet(_fleet(tmp_path, seal={"buyer_authorized_keys": [BUYER_KEY], "buyer_account": "owner",
+                                              "buyer_sudo": True}))
+    assert fleet.box("box1").seal.buyer_account == "owner" and fleet.box("box1").seal.buyer_sudo is True
+    for settings, words in (({"buyer_account": "owner"}, "needs buyer_authorized_keys"),
+                            ({"buyer_authorized_keys": [BUYER_KEY], "buyer_account": "root"}, "root is always left"),
+                            ({"buyer_authorized_keys": [BUYER_KEY], "buyer_sudo": True}, "buyer_sudo needs buyer_account"),
+                            ({"buyer_authorized_keys": [BUYER_KEY], "buyer_account": "Bad Name"}, "buyer_account")):
+        with pytest.raises(FleetError, match=words):
+            load_fleet(_fleet(tmp_path, seal=settings))
+
+
+def test_seal_needs_neither_hf_token_nor_api_key_and_hands_over_the_buyer_account(tmp_path, fake_run, no_pdf,
+                                                                                    monkeypatch):
+    """The seal makes its own keys and downloads nothing: secrets it never uses need not be set (issue 19, 5)."""
+    monkeypatch.delenv("V100BOX_TEST_UNSET_HF_TOKEN", raising=False)
+    monkeypatch.delenv("V100BOX_TEST_UNSET_API_KEY", raising=False)
+    fleet_path = _fleet(tmp_path, hf_token={"env": "V100BOX_TEST_UNSET_HF_TOKEN"},
+                        api_key={"env": "V100BOX_TEST_UNSET_API_KEY"},
+                        seal={"buyer_authorized_keys": [BUYER_KEY], "buyer_account": "owner", "buyer_sudo": True})
+    inventory = tmp_path / "inventory"
+    _plan(inventory)
+    _certified(inventory)
+
+    answer = seal(load_fleet(fleet_path), fleet_path, "box1", inventory, tmp_path / "buyer")
+
+    (call,) = fake_run
+    assert set(call["secrets"]) == {"box_seal_api_keys"}
+    assert call["extravars"]["box_seal_buyer_account"] == "owner" and call["extravars"]["box_seal_buyer_sudo"] is True
+    assert answer["sealed"] is True
+
+
+def test_what_the_last_step_could_not_do_fails_the_seal_after_it_is_recorded(tmp_path, fake_run, no_pdf, published):
+    published["left"] = ["remove the account builder: userdel says no"]
+    fleet_path = _fleet(tmp_path)
+    inventory, buyer = tmp_path / "inventory", tmp_path / "buyer"
+    _plan(inventory)
+    _certified(inventory)
+    with pytest.raises(RunError, match=r"box box1 was sealed at .*but its last step could not remove the account "
+                                       r"builder: userdel says no: do that at the box's console"):
+        seal(load_fleet(fleet_path), fleet_path, "box1", inventory, buyer)
+    report = json.loads((inventory / "reports" / "box1.certify.json").read_text())
+    assert report["seal"]["left"] == published["left"] and report["seal"]["changed"] == CHANGED
+    assert (buyer / "box1.buyer.md").is_file()  # the new keys are not lost
+
+
+def _sealed_inventory(tmp_path: Path) -> tuple[Path, Path]:
+    (tmp_path / "api.key").write_text(OLD_KEY + "\n")
+    fleet_path = _fleet(tmp_path, api_key={"file": str(tmp_path / "api.key")})
+    inventory = tmp_path / "inventory"
+    _plan(inventory)
+    _certified(inventory, seal_record={"sealed_at": "2026-11-24T03:30:00+00:00", "changed": CHANGED})
+    return fleet_path, inventory
+
+
+OLD_KEY = "the-builders-revoked-key-0123456789"
+
+
+def test_clients_says_a_sealed_box_was_handed_over_and_prints_no_key(tmp_path):
+    fleet_path, inventory = _sealed_inventory(tmp_path)
+    done = invoke("clients", "box1", "--fleet", str(fleet_path))
+    assert done.exit_code == BoxSealed.exit_code == 10, done.output
+    assert OLD_KEY not in done.output and "Traceback" not in done.output
+    (line,) = [line for line in done.stderr.splitlines() if line.strip()]
+    assert "box box1 was sealed at 2026-11-24T03:30:00+00:00 and handed over to its buyer" in line
+    assert "no key to print" in line
+    unsealed = tmp_path / "unsealed"
+    unsealed.mkdir()
+    fleet_path = _fleet(unsealed, api_key={"file": str(tmp_path / "api.key")})
+    _plan(unsealed / "inventory")
+    assert OLD_KEY in invoke("clients", "box1", "--fleet", str(fleet_path)).stdout  # an unsealed box: its key
+
+
+def test_status_names_a_sealed_box_as_handed_over_without_connecting(tmp_path, monkeypatch):
+    fleet_path, inventory = _sealed_inventory(tmp_path)
+    runs: list[str] = []
+    monkeypatch.setattr("controller.verify.status.run_playbook", lambda playbook, **kwargs: runs.append(playbook))
+    done = invoke("status", "box1", "--fleet", str(fleet_path))
+    assert runs == [] and "Permission denied" not in done.output
+    assert done.stdout.strip() == ("box1: sealed at 2026-11-24T03:30:00+00:00 and handed over to its buyer: the "
+                                   "builder's SSH keys no longer open it, so status does not read it")
+    assert done.exit_code == 0, done.output  # handed over: not the builder's to watch, not a failure
+    answer = json.loads(invoke("status", "box1", "--fleet", str(fleet_path), "--json").stdout)
+    (box,) = answer["boxes"]
+    assert box["sealed"] == "2026-11-24T03:30:00+00:00" and box["reachable"] is False and answer["exit_code"] == 0

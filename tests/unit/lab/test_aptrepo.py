@@ -79,7 +79,7 @@ def test_every_driver_version_has_the_real_package_names(repo: Path) -> None:
     names = {(s["Package"], s["Version"]) for s in _stanzas(repo)}
     for version in aptrepo.DRIVER_VERSIONS:
         for name in ("nvidia-driver", "nvidia-kernel-dkms", "nvidia-kernel-open-dkms", "nvidia-open", "nvidia-smi",
-                     "libcuda1", "libnvidia-ml1", "nvidia-persistenced"):
+                     "libcuda1", "libnvidia-ml1", "nvidia-persistenced", "nvidia-modprobe"):
             assert (name, version) in names
     assert {v for n, v in names if n == "libnccl2"} == set(aptrepo.NCCL_VERSIONS)
     majors = {int(v.split(".")[0]) for n, v in names if n == "nvidia-driver"}
@@ -122,6 +122,11 @@ def test_standin_nvidia_smi_answers_the_role_query(repo: Path, tmp_path: Path) -
     ]
     assert profile.driver.version == "580.95.05" and not profile.warnings
     assert smi("--query-gpu=clocks.bogus", "--format=csv").returncode == 2
+    # nvidia-smi -q: each card's device minor number (its index here) and UUID, as the probe reads them.
+    details = smi("-q")
+    assert details.returncode == 0, details.stderr
+    profile = parse_outputs({"nvidia-smi-query.csv": probe_query.stdout, "nvidia-smi-q.txt": details.stdout})
+    assert [(g.index, g.minor_number) for g in profile.gpus] == [(0, 0), (1, 1)] and not profile.warnings
     assert smi("-pm", "1").stdout.endswith("All done.\n")
     assert smi("--frobnicate").returncode == 2
 
@@ -190,3 +195,30 @@ def test_cli_builds_into_a_folder(repo: Path, tmp_path: Path, monkeypatch: pytes
     assert aptrepo.main(["build", str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "Packages").read_bytes() == (repo / "Packages").read_bytes()
     assert "deb [trusted=yes] http://127.0.0.1:PORT/ /" in capsys.readouterr().out
+
+
+def test_standin_nvidia_modprobe_makes_the_nodes_the_real_one_makes(repo: Path, tmp_path: Path) -> None:
+    """What it would mknod (a stub records the calls: making real nodes needs a privileged container, as in
+    tests/integration/test_nvidia_nodes.py), and that it refuses arguments it does not know."""
+    root = _extract(repo, "nvidia-modprobe", "580.95.05-1", tmp_path / "root")
+    script = root / "usr/bin/nvidia-modprobe"
+    assert os.access(script, os.X_OK)
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "mknod").write_text(f'#!/bin/sh\necho "$*" >> {tmp_path}/mknod.calls\n')
+    (stubs / "mknod").chmod(0o755)
+    env = {"PATH": f"{stubs}:/usr/bin:/bin"}
+
+    def modprobe(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["sh", str(script), *args], capture_output=True, text=True, env=env, check=False)
+
+    assert not Path("/dev/nvidiactl").exists(), "this test needs a machine without NVIDIA device nodes"
+    done = modprobe("-c=255", "-c=0", "-c", "3")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["/dev/nvidiactl made", "/dev/nvidia0 made", "/dev/nvidia3 made"]
+    assert modprobe("-u", "-c=0").returncode == 0
+    assert (tmp_path / "mknod.calls").read_text().splitlines() == [
+        "-m 666 /dev/nvidiactl c 195 255", "-m 666 /dev/nvidia0 c 195 0", "-m 666 /dev/nvidia3 c 195 3",
+        "-m 666 /dev/nvidia-uvm c 60 0", "-m 666 /dev/nvidia-uvm-tools c 60 1"]
+    refused = modprobe("-m")
+    assert refused.returncode == 1 and "unsupported argument: -m" in refused.stderr

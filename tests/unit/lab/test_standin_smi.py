@@ -85,3 +85,11 @@ def test_unknown_fields_and_files_are_refused(box):
         standin_smi.sample_csv([{"index": 0, "temperature": 80}])
     with pytest.raises(ValueError, match="not nvidia-smi captures"):
         standin_smi.install(box, {"nvidia-smi-temps.csv": ""})
+
+
+def test_q_prints_its_capture_and_fails_without_one(box):
+    """The probe's nvidia-smi -q (issue 20: each card's device minor number)."""
+    assert box.smi("-q").returncode == 9  # nothing captured: a broken tool, which the probe ignores
+    box.exec(f"cat > {standin_smi.CAPTURE_DIR}/nvidia-smi-q.txt", input="GPU 00000000:04:00.0\n")
+    done = box.smi("-q")
+    assert done.returncode == 0 and done.stdout == "GPU 00000000:04:00.0\n"

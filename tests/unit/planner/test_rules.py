@@ -111,7 +111,9 @@ def test_dual_board_serves_the_q6k_35b_from_both_cards_with_layer_split_for_agen
     assert service.engine == "ik-022bd00a" and service.spec_decoding == "mtp:n_max=3,p_min=0.75"
     assert service.parallel == 4 and service.kv_unified and "--cont-batching" in service.args
     assert "--kv-unified" not in service.args  # ik_llama.cpp has no such flag: its cache is always shared
-    assert "GGML_CUDA_ALLREDUCE" not in service.env and service.env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    cards = {gpu.index: gpu.uuid for gpu in profile(DUAL).gpus}
+    assert "GGML_CUDA_ALLREDUCE" not in service.env  # the cards named by UUID, in the split's order
+    assert service.env == {"CUDA_VISIBLE_DEVICES": f"{cards[0]},{cards[1]}"}
     assert service.ctx >= 32768 and service.threads == 6
     assert said(service, "layer split", "MoE") and said(service, "NVLink x2")
     assert all(mib <= 16384 - RESIDENT_MARGIN_MIB for device, mib in service.memory.per_device_mib.items()
@@ -156,8 +158,10 @@ def test_twelve_gpu_box_pins_every_model_inside_one_board_without_overlap(twelve
         assert any(set(service.gpus) <= board for board in boards), service.gpus
         assert not used & set(service.gpus)
         used |= set(service.gpus)
-        assert service.env["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, service.gpus))
-        assert service.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"  # 16 GB and 32 GB cards: CUDA would reorder
+        # Named by UUID: 16 GB and 32 GB cards, which CUDA's own order would number otherwise than nvidia-smi.
+        cards = {gpu.index: gpu.uuid for gpu in profile(TWELVE).gpus}
+        assert service.env["CUDA_VISIBLE_DEVICES"] == ",".join(cards[index] for index in service.gpus)
+        assert "CUDA_DEVICE_ORDER" not in service.env
     assert len({s.port for s in twelve.services}) == 4 and [s.port for s in twelve.services] == [8001, 8002, 8003, 8004]
     by_model = {s.model: s for s in twelve.services}
     assert sorted(by_model[BIG122].gpus) in ([4, 5, 8, 9], [6, 7, 10, 11])
