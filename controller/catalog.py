@@ -274,7 +274,7 @@ class EngineEntry(_Strict):
     family: Name
     commit: Name
     description: str = ""
-    min_driver: int | None = Field(default=None, ge=1, le=9999)  # driver major versions (R570: 570)
+    min_driver: int | None = Field(default=None, ge=1, le=9999)  # driver major versions (the number before the first dot)
     max_driver: int | None = Field(default=None, ge=1, le=9999)
     cpu_only: bool = False
     nccl: bool = False

@@ -30,12 +30,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from controller.estimate.memory import CUDA_OVERHEAD_MIB, MIB, Settings, resolve_settings
+from controller.facts import DRIVER_BRANCHES
 from controller.planner.specs import MemoryModel, SizedMemory, SpecMemory
 from controller.planner.topology import GpuSet
 
 RESIDENT_MARGIN_MIB = 768
 # GPU memory the CUDA server used beyond its reported buffers (weights, KV, compute): the "unaccounted"
-# column of the memory breakdown in the ten recorded cases on driver 580 (../shared/fixtures/gpu-h100-580):
+# column of the memory breakdown in the ten recorded cases of ../shared/fixtures/gpu-h100-580 (an H100 on the
+# last driver branch that runs Volta):
 # 595-600 MiB, 696 MiB where flash attention ran on the CPU and every layer's K/V crossed to the host.
 MEASURED_UNACCOUNTED_MIB = (595, 696)
 FIT_MARGIN_MIB = 1664  # the kit's --fit-margin for Qwen on one 16 GB V100
@@ -147,13 +149,13 @@ def margin_reason(fit: Fit, card_ids: tuple[int, ...]) -> str:
                f"replayed on this model's graph; equal to the CUDA server's in every recorded case) and weights "
                f"and KV follow the loader's rules, so the margin only holds what no buffer reports: the CUDA "
                f"context, cuBLAS workspaces and the memory pool's scratch, measured at {low}-{high} MiB in all on "
-               f"driver 580, against the {CUDA_OVERHEAD_MIB:.0f} MiB counted plus this margin ({spare:.0f} MiB "
+               f"an H100 with the R{DRIVER_BRANCHES[-1]} driver, against the {CUDA_OVERHEAD_MIB:.0f} MiB counted plus this margin ({spare:.0f} MiB "
                f"to spare at the worst measured)")
     elif fit.compute_model == "formula":
         why = (f"this architecture's compute buffers come from a formula fitted to the CPU server (within 10 % "
                f"or 32 MiB there, not checked against CUDA), so the margin also absorbs its error on top of the "
                f"CUDA context and pool beyond the {CUDA_OVERHEAD_MIB:.0f} MiB counted (measured {low}-{high} MiB "
-               f"in all on driver 580)")
+               f"in all on an H100 with the R{DRIVER_BRANCHES[-1]} driver)")
     else:
         why = ("without the model's shape the compute buffers are a flat allowance per card; the margin covers "
                "what the allowance misses")

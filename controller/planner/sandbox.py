@@ -2,7 +2,7 @@
 
 The unit (roles/llama_service) closes the device list and opens only what is decided here, and turns
 ``MemoryDenyWriteExecute=`` on where this says nothing is compiled at run time. What a CUDA llama-server did on
-driver 580 (../shared/fixtures/gpu-h100-580, under strace): it opened ``/dev/nvidiactl``, ``/dev/nvidia<minor>``
+the recorded H100 (under strace; ../shared/fixtures/gpu-h100-580/): it opened ``/dev/nvidiactl``, ``/dev/nvidia<minor>``
 and ``/dev/nvidia-uvm``, and never had a mapping writable and executable at once, because the build carried
 machine code for the card; a build without it has the driver compile the PTX at start, in such memory.
 """
