@@ -39,6 +39,17 @@ def container_name(index: int) -> str:
     return DEMO_NAME if index == 1 else f"{DEMO_NAME}{index}"
 
 
+def box_of(container: str) -> str:
+    """The fleet's name for demo container ``container``: v100box-demo2 is demo2."""
+    return DEMO_BOX + container.removeprefix(DEMO_NAME)
+
+
+def box_index(name: str) -> int:
+    """demo is 1, demo2 is 2, ...: the order of the demo boxes."""
+    digits = name.removeprefix(DEMO_BOX)
+    return int(digits) if digits.isdigit() else 1
+
+
 def demo_dir() -> Path:
     from lab.engine_build import cache_root
 
@@ -62,9 +73,10 @@ def demo_target(name: str = DEMO_NAME) -> lab_target.Target:
     return lab_target.Target.start(name=name, image=image, owner=lab_target.MANUAL_OWNER)
 
 
-def api_key_file(folder: Path) -> Path:
-    """The demo box's API key, made once (owner-only): `controller clients` hands it to Claude Code and OpenClaw."""
-    path = folder / "api.key"
+def api_key_file(folder: Path, box: str = DEMO_BOX) -> Path:
+    """Demo box ``box``'s own API key, made once (owner-only): `controller clients` hands it to Claude Code and
+    OpenClaw. demo keeps api.key; demo2, demo3, ... have api-demo2.key, ..."""
+    path = folder / ("api.key" if box == DEMO_BOX else f"api-{box}.key")
     if not path.exists():
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as handle:
@@ -73,8 +85,10 @@ def api_key_file(folder: Path) -> Path:
 
 
 def write_fleet(folder: Path, target: lab_target.Target | list[lab_target.Target], server: FileServer,
-                catalog: Path) -> Path:
-    """The demo fleet file: one box per target (demo, demo2, ...), each serving from its own ports."""
+                catalog: Path, base_port: int = DEMO_PORT) -> Path:
+    """The demo fleet file: one box per target (demo, demo2, ...), each serving from its own ports with its own key.
+
+    ``base_port``: the first box's (a test's demo box serves beside a running one)."""
     targets = target if isinstance(target, list) else [target]
     boxes = {
         box_name(index): {
@@ -85,8 +99,8 @@ def write_fleet(folder: Path, target: lab_target.Target | list[lab_target.Target
             "host_key": one.host_public_key(),  # read through podman: a recreated box is no stranger
             # Claude Code and OpenClaw can use it: the planner gives it the context they need.
             "models": [{"id": "tiny-llama", "agents": ["claude-code", "openclaw"]}],
-            "base_port": DEMO_PORT + PORT_STEP * (index - 1),
-            "api_key": {"file": str(api_key_file(folder))},
+            "base_port": base_port + PORT_STEP * (index - 1),
+            "api_key": {"file": str(api_key_file(folder, box_name(index)))},
             "mirror": {"engines": f"{server.url}/engines", "models": server.url},
         }
         for index, one in enumerate(targets, start=1)
@@ -101,11 +115,11 @@ def write_fleet(folder: Path, target: lab_target.Target | list[lab_target.Target
 
 
 @contextlib.contextmanager
-def demo_fleet(folder: Path | None = None, boxes: int = 1) -> Iterator[Path]:
+def demo_fleet(folder: Path | None = None, boxes: int = 1, removed: list[str] | None = None) -> Iterator[Path]:
     """Start (or reuse) ``boxes`` demo boxes and serve their downloads; yields the fleet file while serving.
 
-    Demo boxes beyond ``boxes`` left from an earlier ``--boxes`` run are removed: the fleet file names
-    exactly the boxes that run.
+    Demo boxes beyond ``boxes`` left from an earlier ``--boxes`` run are removed, their names added to ``removed``:
+    the fleet file names exactly the boxes that run.
     """
     if not 1 <= boxes <= MAX_BOXES:
         raise lab_host.LabError(f"--boxes {boxes}: give 1 to {MAX_BOXES} (each box is a container on this machine)")
@@ -113,7 +127,10 @@ def demo_fleet(folder: Path | None = None, boxes: int = 1) -> Iterator[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     catalog = build_site(folder / "site")
     wanted = {container_name(index) for index in range(1, boxes + 1)}
-    lab_target.remove_containers([name for name in demo_containers() if name not in wanted])
+    surplus = [name for name in demo_containers() if name not in wanted]
+    lab_target.remove_containers(surplus)
+    if removed is not None:
+        removed.extend(sorted((box_of(name) for name in surplus), key=box_index))
     targets = [demo_target(container_name(index)) for index in range(1, boxes + 1)]
     with FileServer(folder / "site") as server:
         yield write_fleet(folder, targets, server, catalog)

@@ -12,9 +12,11 @@ Everything is written under one folder that ``lab.fileserver.FileServer`` serves
 
 from __future__ import annotations
 
+import filecmp
 import io
 import os
 import tarfile
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,12 +43,20 @@ class LabModel:
     # The GGUF's own chat template (None: tinymodels' default, which offers no tools). A random model calls a
     # tool only under tinymodels.TOOL_CALL_TEMPLATE, so only such a model says tool_calls in the catalog.
     chat_template: str | None = None
+    # A scripted model (tinymodels.write_scripted_model with its AGENT_TEMPLATE): it calls tools and answers.
+    scripted: bool = False
+
+    @property
+    def tool_calls(self) -> bool:
+        return self.scripted or self.chat_template == tinymodels.TOOL_CALL_TEMPLATE
 
 
-# Trained (in its header) for 128k tokens, so the demo box can plan the 64k Claude Code and OpenClaw
-# need; at this size 64k of f16 KV is 16 MiB. The file name carries the context: a cached site
-# written before keeps its old file under the old name.
-DEMO_MODELS = (LabModel("tiny-llama", "tiny-llama-128k-q8_0.gguf", "llama", n_ctx_train=131072),)
+# The demo model completes an agent's tool loop: scripted (tinymodels.AGENT_TEMPLATE), it reads notes.txt when
+# Claude Code offers Read and the prompt names the file, calls certify's get_time, and answers after a tool result
+# or otherwise (OpenClaw's turn). Trained (in its header) for 128k tokens, so the demo box can plan the 64k Claude
+# Code and OpenClaw need; at this size 64k of f16 KV is 8 MiB. A cached site's file written from another recipe
+# is written again (build_site).
+DEMO_MODELS = (LabModel("tiny-llama", "tiny-llama-128k-q8_0.gguf", "llama", n_ctx_train=131072, scripted=True),)
 # What `controller certify` serves when its tool-call round trip must run for real (tests/integration).
 TOOLS_MODEL = LabModel("tiny-llama-tools", "tiny-llama-tools-q8_0.gguf", "llama",
                        chat_template=tinymodels.TOOL_CALL_TEMPLATE)
@@ -110,6 +120,29 @@ def pinned_engine(pack: Path) -> dict[str, dict]:
     return {LAB_ENGINE: body}
 
 
+def write_model(model: LabModel, path: Path) -> None:
+    """Write ``model`` at ``path`` unless the file there has exactly its bytes (the generators are deterministic, so
+    a file written from an older recipe is replaced, atomically)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    tmp.chmod(0o644)  # as the files written before: anyone on the machine may read the lab's models
+    try:
+        if model.scripted:
+            tinymodels.write_scripted_model(tmp, n_ctx_train=model.n_ctx_train, file_type=model.file_type,
+                                            name=model.id)
+        else:
+            tinymodels.write_model(tmp, model.arch, file_type=model.file_type, name=model.id,
+                                   n_ctx_train=model.n_ctx_train,
+                                   **({"chat_template": model.chat_template} if model.chat_template else {}))
+        if path.exists() and filecmp.cmp(tmp, path, shallow=False):
+            return
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def build_site(root: Path, models: tuple[LabModel, ...] = SITE_MODELS) -> Path:
     """Fill ``root`` with the engine pack and the models; returns the catalog file."""
     engines = root / "engines"
@@ -120,15 +153,9 @@ def build_site(root: Path, models: tuple[LabModel, ...] = SITE_MODELS) -> Path:
     entries = {}
     for model in models:
         path = root / MODEL_REPO / model.file
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp")
-            tinymodels.write_model(tmp, model.arch, file_type=model.file_type, name=model.id,
-                                   n_ctx_train=model.n_ctx_train,
-                                   **({"chat_template": model.chat_template} if model.chat_template else {}))
-            os.replace(tmp, path)
+        write_model(model, path)
         entries[model.id] = {
-            "name": f"Generated {model.arch} test model ({model.file_type})",
+            "name": f"{'Scripted' if model.scripted else 'Generated'} {model.arch} test model ({model.file_type})",
             "repo": MODEL_REPO,
             "file": model.file,
             "size_bytes": path.stat().st_size,
@@ -136,7 +163,7 @@ def build_site(root: Path, models: tuple[LabModel, ...] = SITE_MODELS) -> Path:
             "engine": "upstream",
             "file_type": model.file_type,
             "throughput": [DEMO_BAND],
-            "tool_calls": model.chat_template == tinymodels.TOOL_CALL_TEMPLATE,
+            "tool_calls": model.tool_calls,
             **_shape(path),
         }
     catalog = root / "catalog.yml"

@@ -5,6 +5,8 @@ can be checked) without downloading anything. The files written here are ordinar
 architecture metadata, a tiny GPT-2-style BPE vocabulary (the 256 byte tokens, some merges and
 three ChatML control tokens), a chat template, and weights from a fixed-seed generator, so the
 same arguments always give the same bytes. The text they produce is garbage; the protocol is real.
+``write_scripted_model`` is the exception: its weights say what its chat template cues (the demo box's model: a
+tool call where an agent client expects one, then an answer).
 
 Scaling ``n_embd``/``n_layer``/``n_vocab`` up gives files of hundreds of MB for checking the
 memory estimator against the server's own buffer sizes.
@@ -290,9 +292,12 @@ def _add_kv(writer: GGUFWriter, key: str, value: Any) -> None:
         raise TypeError(f"cannot write {key}={value!r} to GGUF")
 
 
-def _tensor_data(spec: TensorSpec, seed: int, index: int) -> np.ndarray:
-    """Deterministic contents for one tensor: ones for norms, small normals otherwise (seeded per tensor)."""
-    if spec.kind == "norm":
+def _tensor_data(spec: TensorSpec, seed: int, index: int, given: np.ndarray | None = None) -> np.ndarray:
+    """Deterministic contents for one tensor: ``given`` (float32, encoded as the spec says), else ones for norms
+    and small normals otherwise (seeded per tensor)."""
+    if given is not None:
+        values = np.asarray(given, dtype=np.float32).reshape(spec.shape)
+    elif spec.kind == "norm":
         values = np.ones(spec.shape, dtype=np.float32)
     else:
         rng = np.random.default_rng([seed, index])
@@ -313,8 +318,11 @@ def write_gguf(
     *,
     header_only: bool = False,
     seed: int = 0,
+    values: Mapping[str, np.ndarray] | None = None,
 ) -> Path:
     """Write a GGUF from explicit metadata and tensor specs; with header_only, stop before tensor data.
+
+    ``values`` gives some tensors' contents by name (float32, numpy shape order); the others are generated.
 
     Header-only files are what a remote Range read sees and what the estimator must handle; they
     also let tests describe real large models (from their published hyperparameters) in a few KB.
@@ -335,7 +343,7 @@ def write_gguf(
         writer.write_ti_data_to_file()
         if not header_only:
             for index, spec in enumerate(tensors):
-                writer.write_tensor_data(_tensor_data(spec, seed, index))
+                writer.write_tensor_data(_tensor_data(spec, seed, index, (values or {}).get(spec.name)))
         writer.flush()
     finally:
         writer.close()
@@ -417,3 +425,137 @@ def write_model(
     label = name or f"tiny-{arch}-{n_layer}x{n_embd}-{file_type}"
     metadata = _metadata(shape, ftype, label, chat_template) | dict(extra_metadata or {})
     return write_gguf(path, arch, metadata, _tensor_specs(shape, qtype), header_only=header_only, seed=seed)
+
+
+# ---------------------------------------------------------------- a scripted model: the demo box's agent loop
+
+# What the scripted demo model says. Its chat template ends the generation prompt with one of these trigger tokens
+# and the weights answer with the trigger's reply (one token), then end the turn. The calls are in the Hermes/Qwen
+# form the template renders past calls in, so the engine reads them back as tool calls (and, offered tools with
+# tool_choice auto, still accepts the plain answer: a call opens with a tag).
+AGENT_REPLIES: dict[str, str] = {
+    "<|read_notes|>": '<tool_call>\n{"name": "Read", "arguments": {"file_path": "notes.txt"}}\n</tool_call>',
+    "<|get_time|>": '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "UTC"}}\n</tool_call>',
+    "<|answer|>": "Done.",
+}
+
+# The script, in the template: once a tool result is in the conversation, or without tools, it answers; offered
+# Claude Code's Read tool and asked about notes.txt, it reads notes.txt; offered the certification's get_time, it
+# calls get_time (UTC); anything else (OpenClaw's tools, say) gets the answer. Past calls and results render as
+# Qwen 2.5 renders them (<tool_call> JSON, <tool_response>), which llama.cpp's template analysis understands.
+AGENT_TEMPLATE = (
+    "{%- set ns = namespace(answered=false, read=false, clock=false, asked=false) -%}\n"
+    "{%- for message in messages -%}\n"
+    "{%- if message.role == 'tool' -%}{%- set ns.answered = true -%}\n"
+    "{%- elif message.role == 'user' and 'notes.txt' in (message.content | string) -%}{%- set ns.asked = true -%}\n"
+    "{%- endif -%}\n"
+    "{%- endfor -%}\n"
+    "{%- if tools -%}\n"
+    "{%- for tool in tools -%}\n"
+    "{%- set name = tool.function.name if tool.function is defined else tool.name -%}\n"
+    "{%- if name == 'Read' -%}{%- set ns.read = true -%}{%- elif name == 'get_time' -%}{%- set ns.clock = true -%}"
+    "{%- endif -%}\n"
+    "{%- endfor -%}\n"
+    "<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}# Tools\n\n<tools>\n"
+    "{%- for tool in tools %}\n{{ tool | tojson }}\n{%- endfor %}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    "XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    "{% elif messages[0].role == 'system' -%}\n"
+    "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
+    "{% endif -%}\n"
+    "{%- for message in messages -%}\n"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first)"
+    " or (message.role == 'assistant' and not message.tool_calls) -%}\n"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% elif message.role == 'assistant' -%}\n"
+    "<|im_start|>assistant\n"
+    "{%- if message.content %}\n{{ message.content }}{% endif -%}\n"
+    "{%- for tool_call in message.tool_calls -%}\n"
+    "{%- set call = tool_call.function if tool_call.function is defined else tool_call %}\n"
+    "<tool_call>\n{\"name\": \"{{ call.name }}\", \"arguments\": {{ call.arguments | tojson }}}\n</tool_call>\n"
+    "{%- endfor -%}\n"
+    "<|im_end|>\n"
+    "{% elif message.role == 'tool' -%}\n"
+    "<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{% endif -%}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "<|im_start|>assistant\n"
+    "{% if ns.answered or not tools %}<|answer|>{% elif ns.read and ns.asked %}<|read_notes|>"
+    "{% elif ns.clock %}<|get_time|>{% else %}<|answer|>{% endif %}\n"
+    "{%- endif -%}\n"
+)
+
+# The logit a scripted token gives its successor; every other logit stays near 0 (p(successor) > 1 - 1e-9 over a
+# thousand tokens at temperature 1).
+_SCRIPT_LOGIT = 30.0
+
+
+def write_scripted_model(
+    path: str | Path,
+    replies: Mapping[str, str] = AGENT_REPLIES,
+    chat_template: str = AGENT_TEMPLATE,
+    *,
+    n_ctx_train: int = 4096,
+    n_embd: int = 32,
+    file_type: str = "q8_0",
+    name: str | None = None,
+    seed: int = 0,
+) -> Path:
+    """Write a one-layer llama model that says what its chat template asks: each trigger of ``replies`` (a control
+    token the template puts at the end of the generation prompt) is followed by its reply (one token), and the
+    reply by the end of the turn (``<|im_end|>``).
+
+    The next token depends on the current token only: the attention and feed-forward outputs are zero, so each
+    position carries its own embedding to the output. A scripted token's embedding is its own unit vector and the
+    output weights map it to its successor; every other token has a random embedding outside those directions and
+    near-uniform logits, as the random models have. The vocabulary is ``build_vocab``'s with every merge (fewer
+    tokens for a long agent prompt than the default models), then one token per reply (its text, byte-encoded as
+    the vocabulary's) and one control token per trigger. One layer and a narrow embedding keep a prompt of tens of
+    thousands of tokens (Claude Code's, OpenClaw's) to seconds on a CPU.
+    """
+    if file_type not in FILE_TYPES:
+        raise ValueError(f"file_type {file_type!r} is not one of {', '.join(FILE_TYPES)}")
+    qtype, ftype = FILE_TYPES[file_type]
+    tokens, types, merges = build_vocab(256 + sum(1 for _ in _merge_pairs()) + len(SPECIAL_TOKENS))
+    to_unicode = bytes_to_unicode()
+    texts = ["".join(to_unicode[byte] for byte in reply.encode()) for reply in replies.values()]
+    triggers = list(replies)
+    if len({*texts, *triggers, *tokens}) != len(tokens) + len(texts) + len(triggers):
+        raise ValueError("every trigger and reply must be a token of its own")
+    tokens += texts + triggers
+    types += [int(TokenType.NORMAL)] * len(texts) + [int(TokenType.CONTROL)] * len(triggers)
+    end = tokens.index("<|im_end|>")
+    successors = {}
+    for trigger, text in zip(triggers, texts):
+        successors[tokens.index(trigger)] = tokens.index(text)
+        successors[tokens.index(text)] = end
+    if len(successors) >= n_embd:
+        raise ValueError(f"{len(successors)} scripted tokens need an embedding wider than {n_embd}")
+    shape = ModelShape(
+        # Two KV heads: a K/V row as wide as the embedding, so a quantised cache's 32-wide blocks fit it.
+        arch="llama", n_layer=1, n_embd=n_embd, n_head=2, n_head_kv=2, n_ff=2 * n_embd, n_vocab=len(tokens),
+        n_ctx_train=n_ctx_train, head_dim=n_embd // 2, n_expert=0, n_expert_used=0, n_ff_exp=0, sliding_window=0,
+        swa_pattern=2, tied_embeddings=False,
+    )
+    _check_shape(shape, qtype)
+    metadata = _metadata(shape, ftype, name or "tiny-scripted-llama", chat_template)
+    metadata.update({"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+                     "tokenizer.ggml.merges": merges, "tokenizer.ggml.eos_token_id": end,
+                     "tokenizer.ggml.bos_token_id": tokens.index("<|endoftext|>"),
+                     "tokenizer.ggml.padding_token_id": tokens.index("<|endoftext|>")})
+    rng = np.random.default_rng([seed, 1])
+    scripted = len(successors)
+    embedding = np.zeros((len(tokens), n_embd), dtype=np.float32)
+    embedding[:, scripted:] = rng.standard_normal((len(tokens), n_embd - scripted), dtype=np.float32) * _WEIGHT_STD
+    output = rng.standard_normal((len(tokens), n_embd), dtype=np.float32) * _WEIGHT_STD
+    for direction, (token, successor) in enumerate(successors.items()):
+        embedding[token] = 0.0
+        embedding[token, direction] = 1.0
+        output[successor, direction] = _SCRIPT_LOGIT / np.sqrt(n_embd)  # the norm scales a unit vector by sqrt(n_embd)
+    specs = _tensor_specs(shape, qtype)
+    values = {_name(MODEL_TENSOR.TOKEN_EMBD): embedding, _name(MODEL_TENSOR.OUTPUT): output}
+    values |= {spec.name: np.zeros(spec.shape, dtype=np.float32) for spec in specs
+               if spec.name in (_name(MODEL_TENSOR.ATTN_OUT, 0), _name(MODEL_TENSOR.FFN_DOWN, 0))}
+    return write_gguf(path, "llama", metadata, specs, seed=seed, values=values)

@@ -29,6 +29,9 @@ def clients(box: str, fleet_path: Path, inventory: Path | None, only: str | None
     from controller.clients import clients_for
 
     answer = clients_for(load(fleet_path), box, inventory_for(fleet_path, inventory), only)
+    for service in answer["services"]:
+        for warning in service["warnings"]:  # on stderr: what is printed stays ready to paste
+            click.echo(f"warning: {box}: {warning}", err=True)
     if as_json:
         click.echo(json.dumps(answer, indent=2))
         return

@@ -46,6 +46,7 @@ def demo(boxes: int, down: bool, as_json: bool) -> None:
         demo_fleet(lab, boxes, as_json)
         return
 
+    from controller.cli.lock import note as lock_note
     from controller.fleet import load_fleet
     from controller.progress import Progress
     from controller.provision import provision
@@ -54,9 +55,14 @@ def demo(boxes: int, down: bool, as_json: bool) -> None:
     progress = Progress(as_json=as_json)
     if not as_json:
         click.echo("Preparing the demo box (the first run builds the CPU engine and the container image)...")
-    with lab.demo_fleet() as fleet_path:
-        report, result = provision(load_fleet(fleet_path), lab.DEMO_BOX, fleet_path.parent / "inventory", progress)
+    removed: list[str] = []
+    with lab.demo_fleet(removed=removed) as fleet_path:
+        say_removed(removed, [lab.DEMO_BOX], as_json)
+        fleet = load_fleet(fleet_path)
+        report, result = provision(fleet, lab.DEMO_BOX, fleet_path.parent / "inventory", progress)
     progress.summary(result)
+    # As `controller provision` does: the lock records what the box runs (and drops boxes an earlier --boxes left).
+    lock_note(fleet, fleet_path, fleet_path.parent / "inventory", [lab.DEMO_BOX], as_json)
     if as_json:
         click.echo(json.dumps({"type": "report", **report}))
     else:
@@ -82,14 +88,29 @@ def demo_fleet(lab: ModuleType, boxes: int, as_json: bool) -> None:
 
     if not as_json:
         click.echo(f"Preparing {boxes} demo boxes (the first run builds the CPU engine and the container image)...")
-    with lab.demo_fleet(boxes=boxes) as fleet_path:
+    removed: list[str] = []
+    with lab.demo_fleet(boxes=boxes, removed=removed) as fleet_path:
         fleet = load_fleet(fleet_path)
+        say_removed(removed, list(fleet.boxes), as_json)
         try:
-            provision_fleet(fleet, sorted(fleet.boxes, key=_box_order), fleet_path.parent / "inventory", as_json)
+            provision_fleet(fleet, sorted(fleet.boxes, key=_box_order), fleet_path.parent / "inventory", as_json,
+                            lock_for=fleet_path)
         finally:
             if not as_json:
                 click.echo(f"Fleet file and inventory: {fleet_path.parent}")
                 click.echo("Remove them: controller demo --down")
+
+
+def say_removed(removed: list[str], kept: list[str], as_json: bool) -> None:
+    """Name the demo boxes an earlier ``--boxes N`` left that this run removed (their containers are gone)."""
+    if not removed:
+        return
+    if as_json:
+        click.echo(json.dumps({"type": "removed", "boxes": removed, "fleet": kept}))
+        return
+    click.echo(f"Removed demo box{'es' * (len(removed) > 1)} {', '.join(removed)} (left from an earlier `controller "
+               f"demo --boxes N`): the fleet file now names {', '.join(kept)}; `controller demo --boxes N` brings "
+               f"them back")
 
 
 def _box_order(name: str) -> int:

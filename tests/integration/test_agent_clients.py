@@ -1,9 +1,9 @@
-"""The real clients against a real server: Claude Code (the pinned npm release) and OpenClaw's requests.
+"""The real Claude Code (the pinned npm release) against the planned server command line.
 
 The box is a loopback box planned for the demo model with ``agents: [claude-code, openclaw]``; its
 service runs the planned llama-server command line. Claude Code gets exactly the environment
-``controller clients --json`` prints. OpenClaw needs a newer Node than Debian ships, so its provider
-entry is exercised by sending the requests OpenClaw sends (chat completions with tools, streamed).
+``controller clients --json`` prints. The real OpenClaw, and Claude Code calling a tool, run against the
+provisioned demo box in test_demo_agents.py.
 """
 
 from __future__ import annotations
@@ -18,17 +18,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
-import json5
 import pytest
 import yaml
 
 from controller.catalog import load_catalog
-from controller.clients import load_plan, merge_openclaw
 from controller.fleet import load_fleet
 from controller.planner import plan_box
 from controller.profile import Cpu, HardwareProfile, OsInfo
-from lab.agent_turn import run_turn, wait_healthy
+from lab.agent_turn import run_turn
 from lab.site import DEMO_MODELS, MODEL_REPO
 from lab.target import free_port
 from tests.cli import REPO, run_controller
@@ -112,54 +109,3 @@ def test_a_prompt_beyond_the_planned_context_gets_the_engines_error(agent_box, l
     assert result["terminal_reason"] == "prompt_too_long", result
     assert f"exceeds the available context size ({ctx} tokens)" in result["result"]
     assert "exceeds the available context size" in turn["server_log"]
-
-
-def test_openclaw_provider_entry_drives_the_server_as_openclaw_does(agent_box, llama_server, tmp_path):
-    """OpenClaw's requests with the generated provider values: tools, streaming, within its context window."""
-    entry = _clients(agent_box)["services"][0]["openclaw"]
-    config_path = tmp_path / "openclaw.json"
-    config_path.write_text("// the user's own settings\n{ agents: { defaults: { workspace: '~/w' } }, }\n")
-    config_path.write_text(merge_openclaw(config_path.read_text(), entry["provider_id"], entry["provider"]))
-    config = json5.loads(config_path.read_text())  # the file OpenClaw reads parses as JSON5
-    assert config["agents"]["defaults"]["workspace"] == "~/w"
-    provider = config["models"]["providers"][entry["provider_id"]]
-    (model,) = provider["models"]
-    assert provider["api"] == "openai-completions" and model["contextWindow"] >= 65536
-
-    fleet = load_fleet(agent_box)
-
-    planned = load_plan(agent_box.parent / "inventory", fleet.box("agents")).services[0]
-    log = tmp_path / "server.log"
-    with open(log, "wb") as handle:
-        server = subprocess.Popen([str(llama_server), *planned.args, "--api-key-file",
-                                   str(fleet.box("agents").api_key.file)], stdout=handle, stderr=subprocess.STDOUT)
-    try:
-        base = provider["baseUrl"]
-        wait_healthy(base.removesuffix("/v1"), server, log)
-        tools = [{"type": "function", "function": {"name": "read", "description": "Read a file",
-                                                   "parameters": {"type": "object",
-                                                                  "properties": {"path": {"type": "string"}},
-                                                                  "required": ["path"]}}}]
-        body = {"model": model["id"], "stream": True, "stream_options": {"include_usage": True},
-                "max_tokens": 16, "tools": tools,
-                "messages": [{"role": "system", "content": "You are a personal assistant. " * 400},
-                             {"role": "user", "content": "hello"}]}
-        chunks, usage = [], None
-        with httpx.stream("POST", f"{base}/chat/completions", json=body, timeout=300,
-                          headers={"Authorization": f"Bearer {provider['apiKey']}"}) as reply:
-            assert reply.status_code == 200, reply.read()[:500]
-            assert reply.headers["content-type"].startswith("text/event-stream")
-            for line in reply.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    event = json.loads(line[6:])
-                    chunks.append(event)
-                    usage = event.get("usage") or usage
-        assert len(chunks) > 1 and chunks[0]["model"] == model["id"]
-        assert any(choice.get("finish_reason") for chunk in chunks for choice in chunk.get("choices", []))
-        assert usage and usage["prompt_tokens"] > 1000  # the long system prompt went through, within the window
-        wrong = httpx.post(f"{base}/chat/completions", json={**body, "stream": False}, timeout=60,
-                           headers={"Authorization": "Bearer not-the-key-0000000000"})
-        assert wrong.status_code == 401
-    finally:
-        server.terminate()
-        server.wait(timeout=30)

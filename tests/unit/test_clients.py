@@ -19,10 +19,10 @@ GATE = "qwen3-4b-instruct-2507-q8_0"
 KEY = "k3y-for-the-box-0123456789"
 
 
-def _box(tmp_path, *, bind="127.0.0.1", api_key=True, plan=True):
+def _box(tmp_path, *, bind="127.0.0.1", api_key=True, plan=True, model=None):
     key = tmp_path / "api.key"
     key.write_text(KEY + "\n")
-    body = {"address": "192.0.2.7", "bind": bind, "models": [{"id": GATE, "agents": ["claude-code"]}]}
+    body = {"address": "192.0.2.7", "bind": bind, "models": [model or {"id": GATE, "agents": ["claude-code"]}]}
     if bind != "127.0.0.1":
         body["allow_from"] = ["192.0.2.0/24"]
     if api_key:
@@ -60,6 +60,34 @@ def test_the_json_contract_holds_everything_each_client_needs(tmp_path):
     (model,) = provider["models"]
     assert model["id"] == GATE and model["contextWindow"] == ctx and 0 < model["maxTokens"] <= ctx // 4
     assert set(model["cost"].values()) == {0}
+    # OpenClaw's documented block for a custom provider in front of llama-server.
+    assert model["compat"] == {"supportsTools": True, "toolSchemaProfile": "llamacpp"}
+    assert service["warnings"] == []  # planned for Claude Code: enough context
+
+
+def test_a_context_too_small_for_a_client_is_warned_with_the_numbers(tmp_path):
+    """A service planned without naming the clients (4096 tokens here) gets a warning per client it is too small
+    for, on stderr (stdout stays ready to paste) and in the JSON; the output itself is unchanged."""
+    fleet = _box(tmp_path, model={"id": GATE, "ctx": 4096})
+    outcome = invoke("clients", "box1", "--fleet", str(fleet), "--json")
+    assert outcome.exit_code == 0, outcome.output
+    (service,) = json.loads(outcome.stdout)["services"]
+    assert service["ctx"] == 4096 and service["claude_code"]["env"]["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == "4096"
+    claude, openclaw = service["warnings"]
+    assert "4096 tokens of context; claude-code needs at least 32768 (prefers 65536)" in claude
+    assert "Prompt is too long" in claude and "agents: [claude-code]" in claude
+    assert "openclaw needs at least 65536" in openclaw
+    assert outcome.stderr.count("warning: box1: ") == 2
+    text = invoke("clients", "box1", "--fleet", str(fleet), "--for", "claude-code")
+    assert text.exit_code == 0 and "claude-code needs at least 32768" in text.stderr
+    assert "openclaw" not in text.stderr and "warning" not in text.stdout
+
+
+def test_a_context_enough_for_one_client_warns_for_the_other_only(tmp_path):
+    outcome = invoke("clients", "box1", "--fleet", str(_box(tmp_path, model={"id": GATE, "ctx": 32768})), "--json")
+    (service,) = json.loads(outcome.stdout)["services"]
+    assert [warning.split(";")[1].split("(")[0].strip() for warning in service["warnings"]] == [
+        "openclaw needs at least 65536"]
 
 
 @pytest.mark.parametrize(("client", "present", "absent"), [("claude-code", "claude_code", "openclaw"),

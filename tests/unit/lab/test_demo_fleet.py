@@ -1,14 +1,23 @@
-"""`controller demo --boxes N`: the fleet file of N demo boxes, and which containers `--down` removes."""
+"""`controller demo --boxes N`: the fleet file of N demo boxes (each with its own key), the lock it writes, the boxes
+a later run removes (and says so), and which containers `--down` removes."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import yaml
 
+from controller.catalog import load_catalog
 from controller.fleet import load_fleet
+from controller.planner import plan_box
+from controller.profile import Cpu, HardwareProfile, OsInfo
 from lab import demo
+from lab.site import PACK_NAME
+from tests.cli import invoke
 
 
 @dataclass
@@ -37,6 +46,19 @@ def test_n_demo_boxes_share_one_fleet_file_each_with_its_own_ports(tmp_path):
     assert fleet.select([], everything=True) == ["demo", "demo2", "demo3"]
 
 
+def test_each_demo_box_has_its_own_api_key(tmp_path):
+    fleet = load_fleet(demo.write_fleet(tmp_path, [FakeTarget(2201), FakeTarget(2202)], FakeServer(),
+                                        tmp_path / "catalog.yml"))
+    files = [box.api_key.file for box in fleet.boxes.values()]
+    assert files == [tmp_path / "api.key", tmp_path / "api-demo2.key"]
+    keys = [file.read_text() for file in files]
+    assert keys[0] != keys[1] and all(len(key.strip()) >= 32 and file.stat().st_mode & 0o777 == 0o600
+                                      for key, file in zip(keys, files))
+    again = load_fleet(demo.write_fleet(tmp_path, [FakeTarget(2201), FakeTarget(2202)], FakeServer(),
+                                        tmp_path / "catalog.yml"))
+    assert [box.api_key.file.read_text() for box in again.boxes.values()] == keys  # made once, then kept
+
+
 def test_one_demo_box_is_the_fleet_file_the_readme_shows(tmp_path):
     path = demo.write_fleet(tmp_path, FakeTarget(2201), FakeServer(), tmp_path / "catalog.yml")
     raw = yaml.safe_load(path.read_text())
@@ -56,3 +78,83 @@ def test_down_removes_every_demo_container_and_nothing_else(monkeypatch):
     assert demo.teardown() == ["v100box-demo", "v100box-demo12", "v100box-demo2"]
     assert removed == ["v100box-demo", "v100box-demo12", "v100box-demo2"]
     assert [demo.container_name(i) for i in (1, 2)] == ["v100box-demo", "v100box-demo2"]
+
+
+# ---------------------------------------------------------------- `controller demo`: the lock and a smaller fleet
+
+
+@pytest.fixture
+def demo_machine(tmp_path, monkeypatch):
+    """`controller demo` in this process with the machine faked at its edges: containers are names in a list, the
+    download site is the lab's real one (its catalog and models; a stand-in engine pack, nothing runs it) and a run
+    renders each box's real plan into the inventory, as provisioning does, and reports it verified."""
+    from controller import fleetrun, provision
+    from controller.runner import RunResult
+
+    folder = tmp_path / "demo"
+    (folder / "site" / "engines").mkdir(parents=True)
+    (folder / "site" / "engines" / PACK_NAME).write_bytes(b"a stand-in pack: nothing runs it here")
+    running: list[str] = []
+    monkeypatch.setattr(demo, "demo_dir", lambda: folder)
+    monkeypatch.setattr(demo, "demo_containers", lambda: sorted(running))
+    monkeypatch.setattr(demo.lab_target, "remove_containers", lambda names: [running.remove(n) for n in names])
+
+    def start(name):
+        running.append(name) if name not in running else None
+        return FakeTarget(2200 + demo.box_index(demo.box_of(name)))
+
+    monkeypatch.setattr(demo, "demo_target", start)
+    monkeypatch.setattr(demo, "FileServer", lambda root: contextlib.nullcontext(FakeServer()))
+    hardware = HardwareProfile(cpu=Cpu(cores=2, threads=2), memory_mib=8192, os=OsInfo(family="linux"))
+
+    def render(fleet, name, inventory):
+        plan = plan_box(fleet.box(name), hardware, load_catalog(fleet.catalogs))
+        for kind, body in (("plans", plan), ("probes", hardware)):
+            (inventory / kind).mkdir(parents=True, exist_ok=True)
+            (inventory / kind / f"{name}.json").write_text(body.model_dump_json())
+
+    def provision_one(fleet, name, inventory, progress):
+        render(fleet, name, inventory)
+        return {"box": name, "verified": True, "services": []}, RunResult("site.yml", "successful", 0, 0.1)
+
+    def provision_many(fleet, names, inventory, **_events):
+        for name in names:
+            render(fleet, name, inventory)
+        return fleetrun.FleetRun([fleetrun.BoxOutcome(name, "ok", verified=True) for name in names], 0.1, 0.0)
+
+    monkeypatch.setattr(provision, "provision", provision_one)
+    monkeypatch.setattr(fleetrun, "provision_many", provision_many)
+    return folder, running
+
+
+def _lines(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def _locked(folder: Path) -> list[str]:
+    return sorted(yaml.safe_load((folder / "fleet.lock.yml").read_text())["boxes"])
+
+
+def test_demo_boxes_go_into_the_lock_and_a_smaller_run_says_what_it_removed(demo_machine):
+    folder, running = demo_machine
+    grown = invoke("demo", "--boxes", "3", "--json")
+    assert grown.exit_code == 0, grown.output
+    assert _locked(folder) == ["demo", "demo2", "demo3"] and running == [demo.container_name(i) for i in (1, 2, 3)]
+    (lock,) = [line for line in _lines(grown.stdout) if line["type"] == "lock"]
+    assert lock["changes"] == ["demo: added", "demo2: added", "demo3: added"]
+
+    fewer = invoke("demo", "--boxes", "2")  # the words a person reads
+    assert fewer.exit_code == 0, fewer.output
+    assert ("Removed demo box demo3 (left from an earlier `controller demo --boxes N`): the fleet file now names "
+            "demo, demo2") in fewer.stdout
+    assert "demo3: removed (the fleet no longer names it)" in fewer.stdout
+    assert _locked(folder) == ["demo", "demo2"]
+
+    plain = invoke("demo", "--json")
+    assert plain.exit_code == 0, plain.output
+    lines = _lines(plain.stdout)
+    assert {"type": "removed", "boxes": ["demo2"], "fleet": ["demo"]} in lines
+    (lock,) = [line for line in lines if line["type"] == "lock"]
+    assert lock["changes"] == ["demo2: removed (the fleet no longer names it)"]
+    assert _locked(folder) == ["demo"] and running == [demo.DEMO_NAME]
+    assert list(yaml.safe_load((folder / "fleet.yml").read_text())["boxes"]) == ["demo"]

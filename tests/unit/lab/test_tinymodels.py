@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import pytest
 
-from lab.tinymodels import ARCHS, FILE_TYPES, SPECIAL_TOKENS, build_vocab, write_model
+from lab.tinymodels import ARCHS, FILE_TYPES, SPECIAL_TOKENS, build_vocab, bytes_to_unicode, write_model
 
 
 def _field(reader: gguf.GGUFReader, key: str):
@@ -118,3 +118,68 @@ def test_header_only_file_stops_before_tensor_data(tmp_path: Path) -> None:
 def test_shapes_the_engine_would_refuse_are_rejected_up_front(tmp_path: Path, kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         write_model(tmp_path / "bad.gguf", **kwargs)
+
+
+# ---------------------------------------------------------------- the scripted model (the demo box's)
+
+
+def _scripted_next(reader: gguf.GGUFReader, token: int) -> np.ndarray:
+    """The scripted model's logits after ``token``: with zero attention and feed-forward outputs, the output layer
+    of the normalised embedding (as the engine computes it)."""
+    from gguf.quants import dequantize
+
+    weights = {t.name: dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+               for t in reader.tensors if t.name in ("token_embd.weight", "output.weight", "blk.0.attn_output.weight",
+                                                      "blk.0.ffn_down.weight")}
+    assert not weights["blk.0.attn_output.weight"].any() and not weights["blk.0.ffn_down.weight"].any()
+    hidden = weights["token_embd.weight"][token]
+    hidden = hidden / np.sqrt(np.mean(hidden ** 2) + 1e-6)
+    return weights["output.weight"] @ hidden
+
+
+def test_the_scripted_model_follows_each_trigger_with_its_reply_then_ends_the_turn(tmp_path: Path) -> None:
+    from lab.tinymodels import AGENT_REPLIES, write_scripted_model
+
+    reader = gguf.GGUFReader(write_scripted_model(tmp_path / "s.gguf", n_ctx_train=131072))
+    tokens = [bytes(reader.fields["tokenizer.ggml.tokens"].parts[i]).decode()
+              for i in reader.fields["tokenizer.ggml.tokens"].data]
+    end = int(_field(reader, "tokenizer.ggml.eos_token_id"))
+    assert tokens[end] == "<|im_end|>" and _field(reader, "llama.context_length") == 131072
+    decode = {char: byte for byte, char in bytes_to_unicode().items()}
+    for trigger, reply in AGENT_REPLIES.items():
+        logits = _scripted_next(reader, tokens.index(trigger))
+        said = int(np.argmax(logits))
+        assert bytes(decode[char] for char in tokens[said]).decode() == reply
+        assert logits[said] - np.delete(logits, said).max() > 20  # the reply, whatever the temperature
+        assert int(np.argmax(_scripted_next(reader, said))) == end
+    other = _scripted_next(reader, tokens.index("a"))  # an unscripted token: near-uniform, like the random models
+    assert float(other.max() - other.min()) < 2
+
+
+@pytest.mark.parametrize(("tools", "messages", "cue"), [
+    (["Bash", "Read"], [{"role": "user", "content": "Read the file notes.txt"}], "<|read_notes|>"),
+    (["Read"], [{"role": "user", "content": [{"type": "text", "text": "what is in notes.txt?"}]}], "<|read_notes|>"),
+    (["Read"], [{"role": "user", "content": "Say hello"}], "<|answer|>"),  # Read offered, no file asked for
+    (["get_time"], [{"role": "user", "content": "What time is it?"}], "<|get_time|>"),
+    (["read", "exec"], [{"role": "user", "content": "Read notes.txt"}], "<|answer|>"),  # OpenClaw's tools
+    ([], [{"role": "user", "content": "Read notes.txt"}], "<|answer|>"),
+    (["Read"], [{"role": "user", "content": "Read notes.txt"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": "Read", "arguments": {"file_path": "notes.txt"}}}]},
+                {"role": "tool", "content": "Bananas"}, {"role": "user", "content": "<system-reminder/>"}],
+     "<|answer|>"),  # a tool result came back: answer, never call again
+])
+def test_the_agent_template_cues_the_script(tools: list[str], messages: list[dict], cue: str) -> None:
+    from jinja2 import Environment
+
+    from lab.tinymodels import AGENT_REPLIES, AGENT_TEMPLATE
+
+    offered = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}} for name in tools]
+    env = Environment()
+    env.policies["json.dumps_kwargs"] = {"sort_keys": False}
+    prompt = env.from_string(AGENT_TEMPLATE).render(messages=messages, tools=offered or None,
+                                                    add_generation_prompt=True)
+    assert prompt.endswith(f"<|im_start|>assistant\n{cue}")
+    assert sum(prompt.count(trigger) for trigger in AGENT_REPLIES) == 1
+    if len(messages) > 1:  # the past call renders as the script's own call would
+        assert '<tool_call>\n{"name": "Read", "arguments": {"file_path": "notes.txt"}}\n</tool_call>' in prompt

