@@ -29,7 +29,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from controller.estimate.memory import CUDA_OVERHEAD_MIB, MIB, Settings, resolve_settings
+from controller.estimate.memory import CUDA_OVERHEAD_MIB, MIB, EstimateInputError, Settings, resolve_settings
 from controller.facts import DRIVER_BRANCHES
 from controller.planner.specs import MemoryModel, SizedMemory, SpecMemory
 from controller.planner.topology import GpuSet
@@ -201,7 +201,26 @@ def largest_ctx(model: MemoryModel, req: Request, gpus: GpuSet | None, cache: st
         s = settings(model, req, gpus, ctx, cache, split, shares, cpu_moe)
         return _fits(device_mib(model, s, req.mtp), budgets)
 
-    return _largest(ok, req.target_ctx)
+    return _usable(ok, req.target_ctx)
+
+
+def _usable(ok: Callable[[int], bool], target: int) -> int:
+    """``_largest``, or 0 for a cache type this model's heads cannot use (a quantised cache needs head widths
+    divisible by its block: a model with 16-wide heads gets f16, never a crash)."""
+    try:
+        return _largest(ok, target)
+    except EstimateInputError:
+        return 0
+
+
+def _smallest_usable(caches: tuple[str, ...], need: Callable[[str], list[float]]) -> list[float]:
+    """What the smallest cache type this model can use needs: the figures a "does not fit" line quotes."""
+    for cache in reversed(caches):
+        try:
+            return need(cache)
+        except EstimateInputError:
+            continue
+    return need("f16")
 
 
 def _chosen_ctx(largest: int, req: Request) -> int:
@@ -319,8 +338,8 @@ def fit_resident(model: MemoryModel, req: Request, gpus: GpuSet, split: str) -> 
 def _miss(model: MemoryModel, req: Request, gpus: GpuSet | None, split: str, shares: tuple[float, ...],
           budgets: list[float], largest: int, cache: str, cpu_moe: bool = False) -> Miss:
     ctx = req.target_ctx if req.explicit else req.min_ctx
-    s = settings(model, req, gpus, ctx, cache, split, shares, cpu_moe)
-    values = device_mib(model, s, req.mtp)
+    values = _smallest_usable(CACHE_PREFERENCE[:CACHE_PREFERENCE.index(cache) + 1], lambda c: device_mib(
+        model, settings(model, req, gpus, ctx, c, split, shares, cpu_moe), req.mtp))
     need = values[: gpus.size] if gpus else values[-1:]
     return Miss(need, budgets, ctx, largest)
 
@@ -371,12 +390,13 @@ def fit_cpu(model: MemoryModel, req: Request, ram_budget_mib: float) -> Fit | Mi
     def cpu_only(cache: str, ctx: int) -> float:
         return device_mib(model, settings(model, req, None, ctx, cache, "none"), False)[-1]
 
-    largest = {cache: _largest(lambda ctx, c=cache: cpu_only(c, ctx) <= ram_budget_mib, req.target_ctx)
+    largest = {cache: _usable(lambda ctx, c=cache: cpu_only(c, ctx) <= ram_budget_mib, req.target_ctx)
                for cache in caches}
     picked = _pick(largest, req)
     if picked is None:
         ctx = req.target_ctx if req.explicit else req.min_ctx
-        return Miss([cpu_only("q4_0", ctx)], budgets, ctx, max(largest.values()))
+        return Miss(_smallest_usable(CACHE_PREFERENCE, lambda c: [cpu_only(c, ctx)]), budgets, ctx,
+                    max(largest.values()))
     cache, ctx = picked
     return Fit(ctx, cache, "none", (), [cpu_only(cache, ctx)], largest)
 
