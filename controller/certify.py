@@ -149,6 +149,7 @@ def certify(fleet: Fleet, fleet_path: Path, box_name: str, inventory: Path, *, b
             "endpoints": {service.name: {"endpoint": f"http://{service.host}:{service.port}", "model": service.model,
                                          **(verify.get(service.name) or {})} for service in plan.services},
             "throughput": found["throughput"],
+            "gpu_memory": found["gpu_memory"],
             "burn_in": found["burn_in"],
             "thermal_guard": found["thermal_guard"],
             "power": found["power"],

@@ -34,7 +34,7 @@ DASH = "—"
 _SVG_LOCK = threading.Lock()  # rc_context changes matplotlib's process-wide settings while a plot is saved
 TITLES = {"identity": "Identity", "installed": "Installed", "endpoints": "Endpoints", "throughput": "Throughput",
           "burn_in": "Burn-in", "burn-in": "Burn-in", "thermal": "Thermal guard", "thermal_guard": "Thermal guard",
-          "power": "Power limits", "seal": "Seal"}
+          "power": "Power limits", "seal": "Seal", "gpu_memory": "GPU memory vs plan"}
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ def _status(report: dict[str, Any], *sections: str) -> str | None:
 def sections(report: dict[str, Any]) -> list[Section]:
     """The report as the sections both renderings show, in order; absent parts say why."""
     return [_summary(report), _not_checked(report), _identity(report), _installed(report), _endpoints(report),
-            _throughput(report), _burn_in(report), _thermal(report), _power(report), _seal(report)]
+            _throughput(report), _gpu_memory(report), _burn_in(report), _thermal(report), _power(report), _seal(report)]
 
 
 def _missing(report: dict[str, Any], key: str, title: str) -> Section:
@@ -425,6 +425,37 @@ def _throughput(report: dict[str, Any]) -> Section:
             lines.append(str(row["detail"]))
         blocks += [Heading(f"{_fmt(row.get('service'))}"), Items(lines)]
     return Section("throughput", "Throughput", _status(report, "throughput"), blocks)
+
+
+def _gpu_memory(report: dict[str, Any]) -> Section:
+    """Each card's memory held by the plan's services against the plan's estimate for it."""
+    key, title = "gpu_memory", TITLES["gpu_memory"]
+    rows = _dicts(report.get("gpu_memory"))
+    judged = [check for check in _dicts(report.get("checks")) if check.get("section") == key]
+    if not rows:
+        if not judged:
+            return _missing(report, key, title)
+        return Section(key, title, _status(report, key), [Items([_fmt(check.get("detail")) for check in judged])])
+
+    def headroom(row: dict[str, Any]) -> str:
+        planned, used = row.get("planned_mib"), row.get("used_mib")
+        return _fmt(planned - used) if isinstance(planned, int) and isinstance(used, int) else DASH
+
+    blocks: list[Any] = [
+        Text("What each card holds for the plan's services once they serve (nvidia-smi's used memory of each "
+             "service's process) against the plan's estimate for the card; holding more than planned fails."),
+        Table(["GPU", "Card", "Planned (MiB)", "Held (MiB)", "Headroom (MiB)", "Other processes (MiB)", "Result"],
+              [[_fmt(row.get("gpu")), _fmt(row.get("name")), _fmt(row.get("planned_mib")), _fmt(row.get("used_mib")),
+                headroom(row), _fmt(row.get("other_mib")), _verdict(row.get("passed"))] for row in rows])]
+    services = [{"gpu": row.get("gpu"), **item} for row in rows for item in _dicts(row.get("services"))]
+    if services:
+        blocks += [Heading("By service"),
+                   _dict_table(services, [("gpu", "GPU"), ("service", "Service"), ("planned_mib", "Planned (MiB)"),
+                                          ("used_mib", "Held (MiB)"), ("pids", "PIDs")], mono=("service",))]
+    failed = [_fmt(check.get("detail")) for check in judged if check.get("passed") is not True]
+    if failed:
+        blocks += [Heading("What failed"), Items(failed)]
+    return Section(key, title, _status(report, key), blocks)
 
 
 def _gpu_series(burn_in: dict[str, Any]) -> dict[int, dict[str, list[tuple[float, float | None]]]]:

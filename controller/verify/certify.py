@@ -23,6 +23,7 @@ from controller.verify.verdict import check_service, expects_key
 STATS_KEY = "llama_certify"  # the set_stats key of roles/llama_verify tasks/certify.yml
 GUARD_UNIT = "v100box-thermal-guard"
 POWER_UNIT = "v100box-power-limit"
+GPU_MEMORY = "GPU memory vs plan"  # the report's section, and its name in not_checked
 # Throttle reasons that slow a card down because of heat or power (idle and application clocks do not).
 HEAT_OR_POWER = {"sw_thermal", "hw_thermal", "hw_slowdown", "sw_power_cap", "hw_power_brake"}
 
@@ -153,12 +154,123 @@ def parse_power(text: str) -> dict[str, Any] | None:
     return power if isinstance(power, dict) else None
 
 
+def _bus_key(bus_id: Any) -> str | None:
+    """A PCI address however it is spelled: nvidia-smi's 8-digit domain or lspci's 4, either case."""
+    parts = str(bus_id or "").strip().lower().split(":")
+    if len(parts) not in (2, 3) or not all(parts):
+        return None
+    try:
+        domain = int(parts[0], 16) if len(parts) == 3 else 0
+    except ValueError:
+        return None
+    return f"{domain:x}:{parts[-2]}:{parts[-1]}"
+
+
+def _whole(value: Any) -> int | None:
+    """A count read from the box (MiB, a PID), or None where it is not one."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def gpu_memory(plan: ServePlan, profile: HardwareProfile, extras: Mapping[str, Any], *, windows: bool,
+               ) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]], list[dict[str, str]]]:
+    """What each card holds for the plan's services once they serve (nvidia-smi's per-process used memory, each
+    process the main PID of a service's unit, each card found by UUID or PCI address) against the plan's estimate
+    for that card (the sum of its services' ``memory.per_device_mib["cuda<index>"]``).
+
+    Returns the report's rows (None: not read), the checks (one per card the plan or its processes use; more held
+    than planned fails) and what was not checked. Processes of no planned service are recorded, never counted."""
+    if windows:
+        return None, [], [{"name": GPU_MEMORY, "why": "read on Linux boxes only (llama_box_state)"}]
+    if not profile.gpus:
+        return None, [], [{"name": GPU_MEMORY, "why": "the box has no NVIDIA GPU: every service runs on the CPU"}]
+    if "gpu_processes" not in extras:
+        return None, [], [{"name": GPU_MEMORY, "why": "the certification play did not read what each process holds on "
+                                                      "the GPUs"}]
+    if extras.get("gpu_processes_error"):
+        return None, [check(GPU_MEMORY, "gpu_memory", False, "nvidia-smi did not say what each process holds on the "
+                            f"cards: {extras['gpu_processes_error']}")], []
+    units = extras.get("units") or {}
+    owner = {pid: service.name for service in plan.services
+             if (pid := _whole((units.get(service.name) or {}).get("main_pid")))}
+    by_uuid = {gpu.uuid.lower(): gpu for gpu in profile.gpus if gpu.uuid}
+    by_bus = {key: gpu for gpu in profile.gpus if (key := _bus_key(gpu.pci_bus_id))}
+    held: dict[int, dict[str, int | None]] = {}
+    pids: dict[int, dict[str, list[int]]] = {}
+    others: dict[int, int] = {}
+    strays: list[str] = []
+    for process in extras.get("gpu_processes") or []:
+        gpu = by_uuid.get(str(process.get("gpu_uuid") or "").lower()) or by_bus.get(_bus_key(process.get("gpu_bus_id")))
+        service, used = owner.get(process.get("pid")), _whole(process.get("used_mib"))
+        if service is None:
+            if gpu is not None:
+                others[gpu.index] = others.get(gpu.index, 0) + (used or 0)
+        elif gpu is None:
+            strays.append(f"{service} (PID {process.get('pid')}) holds {'?' if used is None else used} MiB on a card "
+                          f"the probe did not see ({process.get('gpu_uuid') or process.get('gpu_bus_id') or 'unnamed'})")
+        else:
+            card = held.setdefault(gpu.index, {})
+            before = card.get(service, 0)
+            card[service] = None if used is None or before is None else before + used
+            pids.setdefault(gpu.index, {}).setdefault(service, []).append(process["pid"])
+
+    rows: list[dict[str, Any]] = []
+    checks: list[dict[str, Any]] = []
+    not_checked: list[dict[str, str]] = []
+    for gpu in sorted(profile.gpus, key=lambda item: item.index):
+        device = f"cuda{gpu.index}"
+        planned = {service.name: service.memory.per_device_mib[device] for service in plan.services
+                   if device in service.memory.per_device_mib}
+        card = held.get(gpu.index, {})
+        if not planned and not card and not others.get(gpu.index):
+            continue
+        names = list(dict.fromkeys([*planned, *card]))
+        unknown = [name for name in card if card[name] is None]
+        planned_mib = sum(planned.values())
+        used_mib = None if unknown else sum(mib or 0 for mib in card.values())
+        row: dict[str, Any] = {
+            "gpu": gpu.index, "name": gpu.name, "uuid": gpu.uuid, "memory_mib": gpu.memory_mib,
+            "planned_mib": planned_mib, "used_mib": used_mib, "other_mib": others.get(gpu.index, 0),
+            "services": [{"service": name, "planned_mib": planned.get(name, 0),
+                          "used_mib": card.get(name, 0), "pids": pids.get(gpu.index, {}).get(name, [])}
+                         for name in names],
+            "passed": None}
+        rows.append(row)
+        if not names:
+            continue  # only processes of no planned service: recorded, nothing to judge
+        label = f"GPU {gpu.index} memory vs plan"
+        card_name = f"GPU {gpu.index} ({gpu.name}{', ' + gpu.uuid if gpu.uuid else ''})"
+        if used_mib is None:
+            not_checked.append({"name": label, "why": f"nvidia-smi does not say how much {', '.join(unknown)} holds "
+                                                      f"on {card_name}"})
+            continue
+        row["passed"] = used_mib <= planned_mib
+        each = "; ".join(f"{name} holds {card.get(name, 0)} MiB of {planned.get(name, 0)} MiB planned" for name in names)
+        idle = [name for name in planned if name not in card]
+        if row["passed"]:
+            detail = (f"{card_name} holds {used_mib} MiB for the plan's services, within the {planned_mib} MiB the "
+                      f"plan estimates ({each})"
+                      + (f"; {', '.join(idle)} holds nothing on it" if idle else ""))
+        else:
+            detail = (f"{card_name} holds {used_mib} MiB for the plan's services, {used_mib - planned_mib} MiB more "
+                      f"than the {planned_mib} MiB the plan estimates ({each}): the estimate is too low for this box")
+        if row["other_mib"]:
+            detail += f"; other processes hold {row['other_mib']} MiB on it"
+        checks.append(check(label, "gpu_memory", bool(row["passed"]), detail))
+    if strays:
+        checks.append(check(GPU_MEMORY, "gpu_memory", False, "; ".join(strays)))
+    elif not any(row["services"] for row in rows):
+        checks.append(check(GPU_MEMORY, "gpu_memory", True, f"the plan puts no service on the box's "
+                            f"{len(profile.gpus)} GPU(s) and no service holds memory on them"))
+    return rows, checks, not_checked
+
+
 def evaluate(box: Box, plan: ServePlan, profile: HardwareProfile, catalog: Catalog, run: RunResult | None,
              verify: Mapping[str, Any], state: Mapping[str, Any] | None, extras: Mapping[str, Any], *,
              fleet_path: str, locked: Any, engine_root: str, burn_in_s: float, thermal: Mapping[str, Any] | None,
              power_planned: bool) -> dict[str, Any]:
     """Every check of the certification, and what they rest on: the report's ``checks``, ``not_checked`` and the
-    sections that are measurements (``throughput``, ``burn_in``, ``thermal_guard``, ``power``, ``status``)."""
+    sections that are measurements (``throughput``, ``burn_in``, ``thermal_guard``, ``power``, ``status``,
+    ``gpu_memory``)."""
     checks: list[dict[str, Any]] = []
     not_checked: list[dict[str, str]] = []
     windows = bool(extras.get("windows")) or box.os == "windows"
@@ -203,6 +315,10 @@ def evaluate(box: Box, plan: ServePlan, profile: HardwareProfile, catalog: Catal
             not_checked.append({"name": f"tool call round trip {service.name}",
                                 "why": f"the catalog says {service.model}'s chat template makes no tool calls "
                                        "(tool_calls: false)"})
+
+    memory, memory_checks, memory_unchecked = gpu_memory(plan, profile, extras, windows=windows)
+    checks += memory_checks
+    not_checked += memory_unchecked
 
     burn_in = dict(extras.get("burn_in") or {}) or None
     power = parse_power(str(extras.get("power") or ""))
@@ -275,4 +391,4 @@ def evaluate(box: Box, plan: ServePlan, profile: HardwareProfile, catalog: Catal
 
     return {"checks": checks, "not_checked": not_checked, "throughput": throughput, "burn_in": burn_in,
             "thermal_guard": guard if thermal is not None or events else None, "power": power,
-            "status": None if status is None else status.to_json()}
+            "status": None if status is None else status.to_json(), "gpu_memory": memory}

@@ -15,6 +15,8 @@ description:
     marker; no file is hashed, so a status of a box with hundreds of GB of models takes milliseconds.
   - Each engine's C(current) link (which version serves).
   - The GPUs as C(nvidia-smi --query-gpu) reports them (driver, temperature, memory used and total).
+  - With O(gpu_processes), what each process holds on each card (C(nvidia-smi --query-compute-apps)); with each
+    unit's main PID, C(controller certify) compares what each server holds with its plan's estimate.
   - Linux only (systemd); on Windows status says it cannot read the box.
 options:
   units:
@@ -41,6 +43,10 @@ options:
     description: Whether to ask C(nvidia-smi) about the GPUs.
     type: bool
     default: true
+  gpu_processes:
+    description: Whether to ask C(nvidia-smi) what memory each process holds on each card (one more call).
+    type: bool
+    default: false
 author: v100-llm-box
 """
 
@@ -58,7 +64,8 @@ units:
   type: dict
   returned: always
   sample: {llama-tiny-llama: {load: loaded, active: active, sub: running, enabled: enabled,
-           fragment: /etc/systemd/system/llama-tiny-llama.service, drop_ins: [], need_reload: false}}
+           fragment: /etc/systemd/system/llama-tiny-llama.service, drop_ins: [], need_reload: false,
+           main_pid: 4242}}
 files:
   description: By path; C(marker) is the C(.verified) record (null when there is none), C(matches) whether
     the file is still the one it describes (same size, mtime, inode and owner).
@@ -85,6 +92,18 @@ gpu_error:
   description: Why there is no GPU list (no nvidia-smi, or it failed); empty when it answered.
   type: str
   returned: always
+gpu_processes:
+  description: One entry per process per card it holds memory on (empty unless O(gpu_processes)); C(used_mib) is
+    null where nvidia-smi cannot say (C([N/A])).
+  type: list
+  elements: dict
+  returned: always
+  sample: [{pid: 4242, used_mib: 20610, gpu_uuid: GPU-0fa0c0de-1111-2222-3333-444455556666,
+            gpu_bus_id: "00000000:00:06.0", process_name: /opt/llama/upstream/current/bin/llama-server}]
+gpu_processes_error:
+  description: Why there is no process list (not asked, no nvidia-smi, or it failed); empty when it answered.
+  type: str
+  returned: always
 """
 
 import hashlib
@@ -94,12 +113,15 @@ import os
 from ansible.module_utils.basic import AnsibleModule
 
 UNIT_PROPERTIES = ("Id", "LoadState", "ActiveState", "SubState", "UnitFileState", "FragmentPath", "DropInPaths",
-                   "NeedDaemonReload")
+                   "NeedDaemonReload", "MainPID")
 GPU_QUERY = "index,name,driver_version,temperature.gpu,memory.used,memory.total"
 # nvidia-smi's CSV header names (without units) -> the field this module returns
 GPU_FIELDS = {"index": "index", "name": "name", "driver_version": "driver_version",
               "temperature.gpu": "temperature_c", "memory.used": "memory_used_mib",
               "memory.total": "memory_total_mib"}
+# The process's name last: it is a command line that may hold commas (--format=csv,noheader,nounits).
+COMPUTE_APPS_QUERY = "pid,used_memory,gpu_uuid,gpu_bus_id,process_name"
+NVIDIA_SMI = "/usr/bin/nvidia-smi"  # where the driver installs it; run as root, so never looked up on PATH
 MARKER_SUFFIX = ".verified"  # gguf_download's record of a checked file
 MARKER_FIELDS = ("size", "mtime_ns", "inode", "uid")
 
@@ -118,6 +140,7 @@ def parse_show(text, names):
             "fragment": props.get("FragmentPath", ""),
             "drop_ins": props.get("DropInPaths", "").split(),
             "need_reload": props.get("NeedDaemonReload", "no") == "yes",
+            "main_pid": int(props["MainPID"]) if props.get("MainPID", "").isdigit() else 0,  # 0: not running
         }
     return units
 
@@ -203,14 +226,40 @@ def parse_gpus(text):
 
 
 def read_gpus(run):
-    # Where the driver installs it; run as root, so never looked up on PATH.
-    smi = "/usr/bin/nvidia-smi" if os.access("/usr/bin/nvidia-smi", os.X_OK) else None
-    if smi is None:
+    if not os.access(NVIDIA_SMI, os.X_OK):
         return [], "nvidia-smi not found"
-    rc, out, err = run([smi, "--query-gpu=" + GPU_QUERY, "--format=csv"])
+    rc, out, err = run([NVIDIA_SMI, "--query-gpu=" + GPU_QUERY, "--format=csv"])
     if rc != 0:
         return [], f"nvidia-smi exited {rc}: " + (err or out).strip()[:300]
     return parse_gpus(out), ""
+
+
+def _present(text):
+    return None if text.startswith("[") or text in ("N/A", "") else text
+
+
+def parse_compute_apps(text):
+    """COMPUTE_APPS_QUERY's lines; no line when no process holds a card. A line that does not start with a PID
+    (a message such as "No running processes found") is not a process."""
+    processes = []
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.split(",", 4)]
+        if len(cells) < 4 or not cells[0].isdigit():
+            continue
+        used = _number(cells[1]) if _present(cells[1]) else None
+        processes.append({"pid": int(cells[0]), "used_mib": None if used is None else int(used),
+                          "gpu_uuid": _present(cells[2]), "gpu_bus_id": _present(cells[3]),
+                          "process_name": cells[4] if len(cells) > 4 else ""})
+    return processes
+
+
+def read_gpu_processes(run):
+    if not os.access(NVIDIA_SMI, os.X_OK):
+        return [], "nvidia-smi not found"
+    rc, out, err = run([NVIDIA_SMI, "--query-compute-apps=" + COMPUTE_APPS_QUERY, "--format=csv,noheader,nounits"])
+    if rc != 0:
+        return [], f"nvidia-smi exited {rc}: " + (err or out).strip()[:300]
+    return parse_compute_apps(out), ""
 
 
 def main():
@@ -221,6 +270,7 @@ def main():
             links=dict(type="list", elements="str", default=[]),
             checksums=dict(type="list", elements="str", default=[]),
             gpus=dict(type="bool", default=True),
+            gpu_processes=dict(type="bool", default=False),
         ),
         supports_check_mode=True,
     )
@@ -234,6 +284,7 @@ def main():
     except RuntimeError as exc:
         module.fail_json(msg=str(exc))
     gpus, gpu_error = read_gpus(run) if params["gpus"] else ([], "not asked")
+    processes, processes_error = read_gpu_processes(run) if params["gpu_processes"] else ([], "not asked")
     module.exit_json(
         changed=False,
         units=units,
@@ -242,6 +293,8 @@ def main():
         checksums={path: checksum(path) for path in params["checksums"]},
         gpus=gpus,
         gpu_error=gpu_error,
+        gpu_processes=processes,
+        gpu_processes_error=processes_error,
     )
 
 

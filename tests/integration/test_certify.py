@@ -2,7 +2,8 @@
 tiny model with a template that calls tools): the report read back with every section and real checks (a tool call through
 /v1/messages, both streams, the server's timings against the lab's band), a burn-in under load with GPU samples
 from the stand-in nvidia-smi, the thermal guard's stop and restart in the report, a band the box cannot reach
-failing with its likely causes, and the bad inputs."""
+failing with its likely causes, a card holding more than the plan estimates failing with both numbers, and the bad
+inputs."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ pytestmark = [pytest.mark.podman, pytest.mark.engine, pytest.mark.slow]
 
 controller = partial(run_controller, timeout=900)
 SERVICE = "llama-tiny-llama-tools"  # the lab model whose template lets a random model call a tool
+PROBES = Path(__file__).resolve().parents[1] / "fixtures" / "probe"
 SECTIONS = ("identity", "installed", "endpoints", "throughput", "burn_in", "thermal_guard", "power", "checks",
             "not_checked")
 
@@ -82,6 +84,9 @@ def test_the_guard_stops_and_restarts_the_server_and_certify_reports_every_secti
     assert answer["box"] == "lab1" and answer["passed"] is True
     assert all({"name", "passed", "detail"} <= set(item) and item["passed"] for item in answer["checks"])
     names = {item["name"] for item in answer["checks"]}
+    # the probe saw no GPU (the stand-in has no captured answer for its query): nothing to compare with the plan
+    assert {"name": "GPU memory vs plan", "why": "the box has no NVIDIA GPU: every service runs on the CPU"} in \
+        answer["not_checked"]
     assert {"identity", "installed as planned", f"endpoint {SERVICE}", f"throughput {SERVICE}", "burn-in",
             "thermal guard"} <= names
     paths = {kind: Path(path) for kind, path in answer["reports"].items() if path}
@@ -132,6 +137,42 @@ def test_a_band_the_box_cannot_reach_fails_with_its_likely_causes(fleet_file, la
     assert failed["name"] == f"throughput {SERVICE}"
     assert "below the band" in failed["detail"] and "likely causes" in failed["detail"]
     assert "error:" in err and "throughput" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_card_holding_more_than_planned_fails_with_both_numbers(fleet_file, systemd_target):
+    """Issue 20 item 5: the probe sees one V100 (the stand-in answers with a captured machine's outputs) and the
+    stand-in says the server's own process (the unit's main PID) holds 5000 MiB on it, where the plan (CPU serving)
+    estimates nothing; another process's 300 MiB is recorded, not counted."""
+    pid = int(systemd_target.run(f"systemctl show -p MainPID --value {SERVICE}").stdout.strip())
+    assert pid > 0
+    machine = PROBES / "single-v100-16g-linux"
+    card = "GPU-00000001-5a1c-7e2f-9b3d-000000001eef"  # its nvidia-smi-query.csv
+    cool = {standin_smi.SAMPLE_FILE: standin_smi.sample_csv(sample(70))}  # the guard keeps sampling meanwhile
+    try:
+        standin_smi.install(systemd_target, {**standin_smi.captures_from_dir(machine), **cool})
+        standin_smi.set_compute_apps(systemd_target, [
+            {"pid": pid, "used_memory": 5000, "gpu_uuid": card, "gpu_bus_id": "00000000:0A:00.0",
+             "process_name": "/opt/llama/cpu/current/bin/llama-server"},
+            {"pid": 1, "used_memory": 300, "gpu_uuid": card, "gpu_bus_id": "00000000:0A:00.0",
+             "process_name": "/usr/lib/xorg/Xorg"}])
+        answer, code, err = certify(fleet_file, "lab1")
+        asked = standin_smi.calls(systemd_target)
+    finally:
+        standin_smi.install(systemd_target, cool)
+    assert code == 6, (answer, err)
+    assert asked.count(f"--query-compute-apps={standin_smi.COMPUTE_APPS_QUERY} --format=csv,noheader,nounits") == 1
+    # by name: on a loaded machine the lab's throughput band may fail beside it
+    failed = {item["name"]: item for item in answer["checks"] if not item["passed"]}["GPU 0 memory vs plan"]
+    assert "GPU 0 memory vs plan" in err
+    assert failed["detail"].startswith(f"GPU 0 (Tesla V100-SXM2-16GB, {card}) holds 5000 MiB for the plan's "
+                                       "services, 5000 MiB more than the 0 MiB the plan estimates")
+    assert f"{SERVICE} holds 5000 MiB of 0 MiB planned" in failed["detail"]
+    report = json.loads(Path(answer["reports"]["json"]).read_text())
+    (row,) = report["gpu_memory"]
+    assert (row["gpu"], row["planned_mib"], row["used_mib"], row["other_mib"], row["passed"]) == (0, 0, 5000, 300, False)
+    assert row["services"] == [{"service": SERVICE, "planned_mib": 0, "used_mib": 5000, "pids": [pid]}]
+    text = Path(answer["reports"]["markdown"]).read_text()
+    assert "## GPU memory vs plan — FAIL" in text and "| 0 | Tesla V100-SXM2-16GB | 0 | 5000 | -5000 | 300 |" in text
 
 
 def test_bad_inputs_get_one_line_and_nothing_is_written(fleet_file):

@@ -16,8 +16,8 @@ import pytest
 
 from controller import certify_report
 
-SECTION_TITLES = ["Summary", "Not checked", "Identity", "Installed", "Endpoints", "Throughput", "Burn-in",
-                  "Thermal guard", "Power limits", "Seal"]
+SECTION_TITLES = ["Summary", "Not checked", "Identity", "Installed", "Endpoints", "Throughput", "GPU memory vs plan",
+                  "Burn-in", "Thermal guard", "Power limits", "Seal"]
 HOSTILE = '<script>alert("x")</script>'
 
 

@@ -93,3 +93,21 @@ def test_q_prints_its_capture_and_fails_without_one(box):
     box.exec(f"cat > {standin_smi.CAPTURE_DIR}/nvidia-smi-q.txt", input="GPU 00000000:04:00.0\n")
     done = box.smi("-q")
     assert done.returncode == 0 and done.stdout == "GPU 00000000:04:00.0\n"
+
+
+def test_compute_apps_prints_the_processes_a_test_set_and_nothing_when_none_holds_a_card(box):
+    """Issue 20 item 5: certify compares what each server's process holds on each card with the plan."""
+    query = (f"--query-compute-apps={standin_smi.COMPUTE_APPS_QUERY}", "--format=csv,noheader,nounits")
+    assert box.smi(*query).returncode == 9  # nothing set: a broken tool
+    standin_smi.set_compute_apps(box, [
+        {"pid": 4242, "used_memory": 20610, "gpu_uuid": "GPU-aaaa", "gpu_bus_id": "00000000:00:06.0",
+         "process_name": "/opt/llama/upstream/current/bin/llama-server"},
+        {"pid": 7, "gpu_uuid": "GPU-bbbb"}])
+    done = box.smi(*query)
+    assert done.returncode == 0 and done.stdout.splitlines() == [
+        "4242, 20610, GPU-aaaa, 00000000:00:06.0, /opt/llama/upstream/current/bin/llama-server",
+        "7, [N/A], GPU-bbbb, [N/A], [N/A]"]
+    standin_smi.set_compute_apps(box, [])  # no process on any card: nvidia-smi prints nothing
+    assert (box.smi(*query).returncode, box.smi(*query).stdout) == (0, "")
+    with pytest.raises(ValueError, match="not fields of"):
+        standin_smi.compute_apps_csv([{"pid": 1, "used_gpu_memory": 5}])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
 from pathlib import Path
 
 from tests.unit.plugins.loader import load_module
@@ -23,6 +24,7 @@ UnitFileState=enabled
 FragmentPath=/etc/systemd/system/llama-a.service
 DropInPaths=
 NeedDaemonReload=no
+MainPID=4242
 
 Id=llama-b.service
 LoadState=loaded
@@ -32,6 +34,7 @@ UnitFileState=disabled
 FragmentPath=/etc/systemd/system/llama-b.service
 DropInPaths=/etc/systemd/system/llama-b.service.d/override.conf /run/systemd/system/llama-b.service.d/x.conf
 NeedDaemonReload=yes
+MainPID=0
 """
 
 
@@ -39,8 +42,9 @@ def test_systemctl_show_blocks_read_in_the_order_asked():
     units = state.parse_show(SHOW, ["llama-a", "llama-b"])
     assert units["llama-a"] == {"load": "loaded", "active": "active", "sub": "running", "enabled": "enabled",
                                 "fragment": "/etc/systemd/system/llama-a.service", "drop_ins": [],
-                                "need_reload": False}
+                                "need_reload": False, "main_pid": 4242}
     assert units["llama-b"]["active"] == "failed" and units["llama-b"]["need_reload"] is True
+    assert units["llama-b"]["main_pid"] == 0  # systemd's answer for a unit that runs no process
     assert units["llama-b"]["drop_ins"] == ["/etc/systemd/system/llama-b.service.d/override.conf",
                                             "/run/systemd/system/llama-b.service.d/x.conf"]
 
@@ -81,3 +85,42 @@ def test_checksums_and_links(tmp_path):
     (tmp_path / "current").symlink_to("0c1e570")
     assert state.read_link(str(tmp_path / "current")) == "0c1e570"
     assert state.read_link(str(unit)) is None
+
+
+def test_compute_apps_are_read_with_the_process_name_last_and_unknown_memory_as_null():
+    text = ("4242, 20610, GPU-0fa0c0de-1111-2222-3333-444455556666, 00000000:00:06.0, "
+            "/opt/llama/upstream/current/bin/llama-server\n"
+            # a browser's GPU process: its name is a command line full of commas
+            "5150, 312, GPU-0fa0c0de-1111-2222-3333-444455556666, 00000000:00:06.0, chrome --type=gpu-process,a=1,b=2\n"
+            "6000, [N/A], GPU-0fa0c0de-1111-2222-3333-444455556666, [N/A], [Insufficient Permissions]\n"
+            "No running processes found\n")
+    first, browser, unknown = state.parse_compute_apps(text)
+    assert first == {"pid": 4242, "used_mib": 20610, "gpu_uuid": "GPU-0fa0c0de-1111-2222-3333-444455556666",
+                     "gpu_bus_id": "00000000:00:06.0", "process_name": "/opt/llama/upstream/current/bin/llama-server"}
+    assert browser["used_mib"] == 312 and browser["process_name"] == "chrome --type=gpu-process,a=1,b=2"
+    assert unknown["used_mib"] is None and unknown["gpu_bus_id"] is None
+    assert state.parse_compute_apps("") == []
+
+
+def test_the_stand_in_answers_the_modules_compute_apps_query(tmp_path, monkeypatch):
+    """The lab's stand-in nvidia-smi (a real sh) answers the module's own call, so a test can set a card over plan."""
+    from lab import standin_smi
+
+    captures, smi = tmp_path / "captures", tmp_path / "nvidia-smi"
+    captures.mkdir()
+    smi.write_text(standin_smi.standin_script(str(captures), str(tmp_path / "calls")))
+    smi.chmod(0o755)
+    monkeypatch.setattr(state, "NVIDIA_SMI", str(smi))
+
+    def run(argv):
+        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+        return done.returncode, done.stdout, done.stderr
+
+    processes, error = state.read_gpu_processes(run)
+    assert processes == [] and error.startswith("nvidia-smi exited 9: stand-in nvidia-smi: no captured")
+    (captures / standin_smi.COMPUTE_APPS_FILE).write_text(standin_smi.compute_apps_csv([
+        {"pid": 4242, "used_memory": 15230, "gpu_uuid": "GPU-aaaa", "gpu_bus_id": "00000000:00:06.0",
+         "process_name": "/opt/llama/upstream/current/bin/llama-server"}]))
+    processes, error = state.read_gpu_processes(run)
+    assert error == "" and [(item["pid"], item["used_mib"], item["gpu_uuid"]) for item in processes] == [
+        (4242, 15230, "GPU-aaaa")]
