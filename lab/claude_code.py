@@ -8,14 +8,13 @@ the first one instead of installing twice. Run as ``python -m lab.claude_code`` 
 
 from __future__ import annotations
 
-import fcntl
 import os
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 from lab.engine_build import cache_root
+from lab.npm_install import executable, install_once
 
 CLAUDE_CODE_PACKAGE = "@anthropic-ai/claude-code"
 CLAUDE_CODE_VERSION = "2.1.330"
@@ -29,35 +28,15 @@ def install_dir(version: str = CLAUDE_CODE_VERSION) -> Path:
     return cache_root() / "claude-code" / version
 
 
-def _executable(folder: Path) -> Path:
-    return folder / "node_modules" / ".bin" / "claude"
-
-
 def claude_binary(version: str = CLAUDE_CODE_VERSION) -> Path:
     """Install the pinned Claude Code once (idempotent, concurrent-safe) and return ``claude``."""
-    folder = install_dir(version)
-    if _executable(folder).exists():
-        return _executable(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.parent / f".{version}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if _executable(folder).exists():
-            return _executable(folder)
-        staging = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=folder.parent))
-        try:
-            subprocess.run(
-                ["npm", "install", "--no-save", "--no-audit", "--no-fund", "--loglevel=error",
-                 "--prefix", str(staging), f"{CLAUDE_CODE_PACKAGE}@{version}"],
-                check=True, stdout=subprocess.DEVNULL,
-            )
-            probe = subprocess.run([str(_executable(staging)), "--version"], check=True,
-                                   capture_output=True, text=True, env=claude_env({}, home=staging))
-            if not probe.stdout.startswith(version):
-                raise RuntimeError(f"claude --version printed {probe.stdout!r}, expected {version}")
-            os.replace(staging, folder)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return _executable(folder)
+    def check(staging: Path) -> None:
+        probe = subprocess.run([str(executable(staging, "claude")), "--version"], check=True,
+                               capture_output=True, text=True, env=claude_env({}, home=staging))
+        if not probe.stdout.startswith(version):
+            raise RuntimeError(f"claude --version printed {probe.stdout!r}, expected {version}")
+
+    return install_once(install_dir(version), "claude", ["npm"], f"{CLAUDE_CODE_PACKAGE}@{version}", check)
 
 
 def claude_env(base: dict, home: Path | None = None) -> dict:

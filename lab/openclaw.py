@@ -13,17 +13,16 @@ MESSAGE --model PROVIDER/MODEL --json``.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from lab.engine_build import cache_root
+from lab.npm_install import executable, install_once
 
 OPENCLAW_PACKAGE = "openclaw"
 OPENCLAW_VERSION = "2026.9.6"
@@ -65,39 +64,20 @@ def install_dir(version: str = OPENCLAW_VERSION) -> Path:
     return cache_root() / "openclaw" / f"{version}-node{node_version()}"
 
 
-def _executable(folder: Path) -> Path:
-    return folder / "node_modules" / ".bin" / "openclaw"
-
-
 def openclaw_binary(version: str = OPENCLAW_VERSION) -> Path:
     """Install the pinned OpenClaw once (idempotent, concurrent-safe) and return ``openclaw``."""
-    folder = install_dir(version)
-    if _executable(folder).exists():
-        return _executable(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if _executable(folder).exists():
-            return _executable(folder)
-        staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-        try:
-            npm = node_home() / "lib" / "node_modules" / "npm" / "bin" / "npm-cli.js"
-            subprocess.run(
-                [str(node_home() / "bin" / "node"), str(npm), "install", "--no-save", "--no-audit", "--no-fund",
-                 "--no-update-notifier", "--loglevel=error", "--prefix", str(staging), f"{OPENCLAW_PACKAGE}@{version}"],
-                # The caller's own npm settings (a registry mirror in ~/.npmrc, say) apply, as for Claude Code.
-                check=True, stdout=subprocess.DEVNULL,
-                env={**os.environ, "PATH": f"{node_home() / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"},
-            )
-            probe = subprocess.run([str(_executable(staging)), "--version"], check=True, capture_output=True,
-                                   text=True, env=openclaw_env(staging / "home"))
-            if f"OpenClaw {version} " not in probe.stdout + " ":
-                raise RuntimeError(f"openclaw --version printed {probe.stdout!r}, expected {version}")
-            shutil.rmtree(staging / "home", ignore_errors=True)
-            os.replace(staging, folder)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return _executable(folder)
+    def check(staging: Path) -> None:
+        probe = subprocess.run([str(executable(staging, "openclaw")), "--version"], check=True, capture_output=True,
+                               text=True, env=openclaw_env(staging / "home"))
+        if f"OpenClaw {version} " not in probe.stdout + " ":
+            raise RuntimeError(f"openclaw --version printed {probe.stdout!r}, expected {version}")
+        shutil.rmtree(staging / "home", ignore_errors=True)
+
+    node = node_home()
+    npm = [str(node / "bin" / "node"), str(node / "lib" / "node_modules" / "npm" / "bin" / "npm-cli.js")]
+    env = {**os.environ, "PATH": f"{node / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
+    return install_once(install_dir(version), "openclaw", [*npm, "--no-update-notifier"], f"{OPENCLAW_PACKAGE}@{version}",
+                        check, env)
 
 
 def openclaw_env(home: Path) -> dict[str, str]:
