@@ -30,10 +30,10 @@ import pytest
 import yaml
 
 from controller.clients import max_output_tokens
-from lab import haproxy, tinymodels
+from lab import haproxy
 from lab.claude_code import claude_binary, claude_env
 from lab.fileserver import FileServer
-from lab.site import MODEL_REPO, PACK_NAME, LabModel, build_site
+from lab.site import PACK_NAME, LabModel, build_site
 from lab.target import free_port
 from tests.cli import run_controller
 
@@ -42,7 +42,9 @@ pytestmark = [pytest.mark.podman, pytest.mark.engine, pytest.mark.slow]
 API_KEY = "sk-gw-box-key-never-logged-7373"
 GATEWAY_KEY = "sk-gw-gateway-key-never-logged-9191"
 WRONG_KEY = "sk-gw-wrong-key-never-logged-5151"
-MODELS = (LabModel("tiny-gw-a", "tiny-gw-a-q8_0.gguf", "llama"), LabModel("tiny-gw-b", "tiny-gw-b-q8_0.gguf", "llama"))
+# Trained (in their headers) for a context Claude Code fits in; build_site writes them from these recipes.
+MODELS = (LabModel("tiny-gw-a", "tiny-gw-a-q8_0.gguf", "llama", n_ctx_train=65536),
+          LabModel("tiny-gw-b", "tiny-gw-b-q8_0.gguf", "llama", n_ctx_train=65536))
 CTX = 32768  # Claude Code's system prompt and tools are ~15k tokens
 
 controller = partial(run_controller, timeout=900)
@@ -64,11 +66,6 @@ def site(lab_site, tmp_path_factory):
     root = tmp_path_factory.mktemp("gw-site")
     (root / "engines").mkdir()
     shutil.copy(lab_root / "engines" / PACK_NAME, root / "engines" / PACK_NAME)
-    for seed, model in enumerate(MODELS):
-        path = root / MODEL_REPO / model.file
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tinymodels.write_model(path, model.arch, file_type=model.file_type, name=model.id, n_ctx_train=65536,
-                               seed=seed)
     catalog = build_site(root, MODELS)
     with FileServer(root) as server:
         yield server, catalog
