@@ -72,6 +72,10 @@ options:
     description: Seconds between GPU samples (above 0).
     type: float
     default: 5
+  nvidia_smi:
+    description: The absolute path of C(nvidia-smi) (the module runs as root and never looks it up on C(PATH)).
+    type: path
+    default: /usr/bin/nvidia-smi
   timeout:
     description: Seconds a request may wait for its next streamed line.
     type: int
@@ -368,9 +372,9 @@ def read_unit(name):
     return parse_show(out) if rc == 0 else (None, "")
 
 
-def find_smi():
-    # Where the driver installs it; run as root, so never looked up on PATH.
-    return "/usr/bin/nvidia-smi" if os.access("/usr/bin/nvidia-smi", os.X_OK) else None
+def find_smi(path="/usr/bin/nvidia-smi"):
+    # Where the driver installs it (or where the caller says); run as root, so never looked up on PATH.
+    return path if os.access(path, os.X_OK) else None
 
 
 def sample_gpus(smi):
@@ -561,11 +565,11 @@ def reach(bind):
 
 
 def burn_in(services, duration_s, concurrency, max_tokens, sample_interval_s, timeout, tolerated=(),
-            boot_id_before=""):
+            boot_id_before="", nvidia_smi="/usr/bin/nvidia-smi"):
     """Read the box, load it, read it again; the module's whole answer."""
     before = {service["name"]: read_unit(service["name"]) for service in services}
     boot_before = boot_id_before or read_boot_id()
-    run = BurnIn(services, duration_s, concurrency, max_tokens, sample_interval_s, timeout, find_smi())
+    run = BurnIn(services, duration_s, concurrency, max_tokens, sample_interval_s, timeout, find_smi(nvidia_smi))
     result = run.run()
     result["boot_id"] = {"before": boot_before, "after": read_boot_id()}
     for service in services:
@@ -596,6 +600,7 @@ def main():
             timeout=dict(type="int", default=120),
             tolerated_throttle=dict(type="list", elements="str", default=[], choices=list(THROTTLING)),
             boot_id_before=dict(type="str", default=""),
+            nvidia_smi=dict(type="path", default="/usr/bin/nvidia-smi"),
         ),
         supports_check_mode=True,
     )
@@ -631,7 +636,7 @@ def main():
         module.exit_json(changed=False, msg="check mode: no load sent", **empty_result(sorted(names)))
     result = burn_in(services, params["duration_s"], params["concurrency"], params["max_tokens"],
                      params["sample_interval_s"], params["timeout"], params["tolerated_throttle"],
-                     params["boot_id_before"])
+                     params["boot_id_before"], params["nvidia_smi"])
     module.exit_json(changed=False, **result)
 
 

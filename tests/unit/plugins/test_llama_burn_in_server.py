@@ -1,5 +1,5 @@
 """llama_burn_in against the real CPU llama-server, run as Ansible runs a module: a few seconds of streaming load
-on both APIs with a stand-in nvidia-smi on PATH whose rows a test writes (a cool card, then a card throttling for
+on both APIs with a stand-in nvidia-smi, named to the module, whose rows a test writes (a cool card, then a card throttling for
 heat), and a service whose port is dead."""
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ def standin_smi(folder: Path, rows: str) -> Path:
 
 
 def run_module(tmp_path: Path, smi_dir: Path, **args) -> tuple[dict, str]:
+    """The module as Ansible runs it, told where the stand-in is (it never looks nvidia-smi up on PATH)."""
     args_file = tmp_path / "args.json"
-    args_file.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
-    env = {**os.environ, "PATH": f"{smi_dir}:{os.environ['PATH']}"}
+    args_file.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": {**args, "nvidia_smi": str(smi_dir / "nvidia-smi")}}))
+    env = dict(os.environ)
     done = subprocess.run([sys.executable, str(MODULE), str(args_file)], capture_output=True, text=True,
                           timeout=120, check=False, env=env)
     return json.loads(done.stdout), done.stdout
