@@ -243,16 +243,18 @@ def strip_sudoers(text, names):
             continue
         alias = _USER_ALIAS.match(line.rstrip("\n"))
         if alias:
-            definitions = []
+            definitions, alias_dropped = [], False
             for definition in re.split(r"\s*:\s*", alias.group(2)):
                 name, _, members = definition.partition("=")
                 kept, dropped = _drop(re.split(r"\s*,\s*", members.strip()), names)
                 if dropped and not kept:
                     raise Refused(f"User_Alias {name.strip()} names only {', '.join(sorted(names))}; remove it and "
                                   "the rules that use it by hand")
-                changed |= dropped
+                alias_dropped |= dropped
                 definitions.append(f"{name.strip()} = {', '.join(kept)}")
-            out.append(alias.group(1) + " : ".join(definitions) + ending if changed else line)
+            changed |= alias_dropped
+            # Only a line that named the builder is rewritten; every other line stays byte for byte.
+            out.append(alias.group(1) + " : ".join(definitions) + ending if alias_dropped else line)
             continue
         found = _USER_LIST.match(line.rstrip("\n"))
         if not found:

@@ -82,3 +82,8 @@ def test_the_documented_options_are_the_argument_spec():
     documented = yaml.safe_load(hand_over.DOCUMENTATION)["options"]
     assert {name: (option["type"], option["default"]) for name, option in documented.items()} == {
         name: (spec["type"], spec["default"]) for name, spec in hand_over.ARGUMENT_SPEC.items()}
+
+
+def test_an_alias_line_that_never_named_the_builder_stays_byte_for_byte():
+    text = "builder ALL=(ALL) NOPASSWD: ALL\nUser_Alias  OPS=alice,bob\n"
+    assert hand_over.strip_sudoers(text, {"builder"}) == ("User_Alias  OPS=alice,bob\n", True)
