@@ -31,8 +31,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from controller.estimate.llamalog import parse_log
-from controller.estimate.source import estimate_draft, estimate_model, with_draft
+from controller.stages.estimate.llamalog import parse_log
+from controller.stages.estimate.source import estimate_draft, estimate_model, with_draft
 from lab.engine_build import build
 from lab.estimate_check import COMPUTE_TOL, KV_TOL, WEIGHTS_TOL, within
 from lab.target import free_port

@@ -30,8 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from controller.estimate.llamalog import context_settings, header_metadata, parse_log
-from controller.estimate.source import estimate_model
+from controller.stages.estimate.llamalog import context_settings, header_metadata, parse_log
+from controller.stages.estimate.source import estimate_model
 from lab.estimate_check import (
     Case,
     cuda_truth_cases,

@@ -36,8 +36,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from controller.fleet import load_fleet  # noqa: E402
-from controller.fleetrun import check_selection, probe_and_plan  # noqa: E402
+from controller.actions.fleetrun import check_selection, probe_and_plan  # noqa: E402
+from controller.model.fleet import load_fleet  # noqa: E402
 from lab import host as lab_host  # noqa: E402
 from lab import image as lab_image  # noqa: E402
 from lab import target as lab_target  # noqa: E402

@@ -30,10 +30,10 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from controller.fleet import load_fleet  # noqa: E402
-from controller.provision import prepare  # noqa: E402
-from controller.render import read_rendered  # noqa: E402
-from controller.runner import run_playbook  # noqa: E402
+from controller.actions.provision import prepare  # noqa: E402
+from controller.model.fleet import load_fleet  # noqa: E402
+from controller.stages.render import read_rendered  # noqa: E402
+from controller.stages.runner import run_playbook  # noqa: E402
 from lab import image as lab_image  # noqa: E402
 from lab.fileserver import FileServer  # noqa: E402
 from lab.site import MODEL_REPO, PACK_NAME, build_site  # noqa: E402

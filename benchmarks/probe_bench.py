@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import yaml  # noqa: E402
 
-from controller.fleet import load_fleet  # noqa: E402
-from controller.probe.collect import probe_box  # noqa: E402
+from controller.model.fleet import load_fleet  # noqa: E402
+from controller.stages.probe.collect import probe_box  # noqa: E402
 from lab import host as lab_host  # noqa: E402
 from lab import image as lab_image  # noqa: E402
 from lab import standin_smi  # noqa: E402

@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from controller.fleet import load_fleet
-from controller.provision import provision
+from controller.actions.provision import provision
+from controller.model.fleet import load_fleet
 from lab import host as lab_host
 from lab import image as lab_image
 from lab import target as lab_target

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from controller import facts
+from controller.model import rules
 
 
 def systemd_quote(word: str) -> str:
@@ -23,8 +23,8 @@ def systemd_command(words: Iterable[str]) -> str:
 
 
 def reachable_host(bind: str) -> str:
-    """The URL host that reaches, from the box itself, a server bound to ``bind`` (controller.facts decides)."""
-    return facts.reachable_host(bind)
+    """The URL host that reaches, from the box itself, a server bound to ``bind`` (controller.model.rules decides)."""
+    return rules.reachable_host(bind)
 
 
 def gpu_minors(instance: dict, gpus: list[dict]) -> list[int]:
@@ -62,11 +62,11 @@ def gpu_minors(instance: dict, gpus: list[dict]) -> list[int]:
 
 
 def openclaw_merge(text: str, services: list[dict], keys: dict[str, str], source: str = "the OpenClaw config") -> str:
-    """An OpenClaw config (JSON5 text) with the box's services merged in as providers (controller.clients decides how).
+    """An OpenClaw config (JSON5 text) with the box's services merged in as providers (controller.actions.clients decides how).
 
     ``services`` is the rendered ``agent_clients_services``; ``keys`` maps each service's ``key`` to its API key.
     """
-    from controller.clients import merge_openclaw
+    from controller.actions.clients import merge_openclaw
 
     for service in services:
         provider = {**service["openclaw_provider"], "apiKey": keys[service.get("key", service["name"])]}
@@ -76,7 +76,7 @@ def openclaw_merge(text: str, services: list[dict], keys: dict[str, str], source
 
 def openclaw_problem(text: str, source: str = "the OpenClaw config") -> str:
     """Why an OpenClaw config cannot take the box's providers (not JSON5, not an object), or "" when it can."""
-    from controller.clients import OpenClawConfigError, merge_openclaw
+    from controller.actions.clients import OpenClawConfigError, merge_openclaw
 
     try:
         merge_openclaw(text, "check", {}, source)

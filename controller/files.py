@@ -79,7 +79,7 @@ def inventory_lock(folder: Path, what: str, notice: Callable[[str], None] | None
 
 
 def run_lock_path(folder: Path) -> Path:
-    """The lock every process of a run of this inventory holds shared (controller.runner hands it to the run),
+    """The lock every process of a run of this inventory holds shared (controller.stages.runner hands it to the run),
     so the run counts as alive until its last process (ansible-playbook and each of its workers) ended."""
     return folder / ".run.lock"
 

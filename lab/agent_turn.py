@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from controller.fleet import load_fleet
+from controller.model.fleet import load_fleet
 from lab.claude_code import claude_binary, claude_env
 
 CLAUDE_TIMEOUT_S = 300
@@ -40,7 +40,7 @@ def wait_healthy(url: str, process: subprocess.Popen, log: Path, timeout: float 
 
 
 def run_turn(fleet_path: Path, box_name: str, server: Path, prompt: str) -> dict:
-    from controller.clients import load_plan
+    from controller.actions.clients import load_plan
 
     fleet = load_fleet(fleet_path)
     box = fleet.box(box_name)

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from controller.estimate.llamalog import parse_log
-from controller.estimate.source import estimate_model
+from controller.stages.estimate.llamalog import parse_log
+from controller.stages.estimate.source import estimate_model
 from lab.llama_server import load_log
 from lab.tinymodels import write_model
 

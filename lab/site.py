@@ -22,9 +22,9 @@ from pathlib import Path
 
 import yaml
 
-from controller.catalog import load_catalog
-from controller.estimate.gguf_header import read_header
 from controller.files import write_atomic
+from controller.model.catalog import load_catalog
+from controller.stages.estimate.gguf_header import read_header
 from lab import engine_build, tinymodels
 from lab.engine_build import sha256_file
 

@@ -281,7 +281,7 @@ class Target:
 
     def known_hosts(self) -> Path:
         """The lab's known_hosts file, holding this target's current host key (one entry per port)."""
-        from controller.transports.known_hosts import entry_name, parse_public_key, record
+        from controller.stages.transports.known_hosts import entry_name, parse_public_key, record
 
         path = cache_root() / "ssh" / "known_hosts"
         record(path, entry_name(self.host, self.ssh_port), parse_public_key(self.host_public_key(), self.name),

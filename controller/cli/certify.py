@@ -18,9 +18,9 @@ def certify(box: str, fleet_path: Path, inventory: Path | None, as_json: bool, b
     its band, the thermal guard and power limits (and a burn-in); writes the report in Markdown, JSON and HTML.
 
     Exits 0 only when every check passed (6 when one failed)."""
-    from controller.certify import CertificationFailed, parse_duration
-    from controller.certify import certify as certify_box
-    from controller.progress import Progress
+    from controller.actions.certify import CertificationFailed, parse_duration
+    from controller.actions.certify import certify as certify_box
+    from controller.cli.progress import Progress
 
     seconds = parse_duration(burn_in) if burn_in is not None else 0.0  # before any connection
     fleet = load(fleet_path)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import click
 
+from controller.actions.clients import CLIENTS
 from controller.cli.options import fleet_option, inventory_for, inventory_option, json_option, load
-from controller.clients import CLIENTS
 
 
 @click.command()
@@ -26,7 +26,7 @@ def clients(box: str, fleet_path: Path, inventory: Path | None, only: str | None
 
     The output holds the box's API key: that is its point (nothing else prints it).
     """
-    from controller.clients import clients_for
+    from controller.actions.clients import clients_for
 
     answer = clients_for(load(fleet_path), box, inventory_for(fleet_path, inventory), only)
     for service in answer["services"]:

@@ -46,11 +46,11 @@ def demo(boxes: int, down: bool, as_json: bool) -> None:
         demo_fleet(lab, boxes, as_json)
         return
 
+    from controller.actions.provision import provision
     from controller.cli.lock import note as lock_note
-    from controller.fleet import load_fleet
-    from controller.progress import Progress
-    from controller.provision import provision
-    from controller.report import markdown
+    from controller.cli.progress import Progress
+    from controller.model.fleet import load_fleet
+    from controller.reports.provision import markdown
 
     progress = Progress(as_json=as_json)
     if not as_json:
@@ -84,7 +84,7 @@ def demo(boxes: int, down: bool, as_json: bool) -> None:
 def demo_fleet(lab: ModuleType, boxes: int, as_json: bool) -> None:
     """``controller demo --boxes N``: N demo boxes in one fleet file, provisioned by one run."""
     from controller.cli.provision import provision_fleet
-    from controller.fleet import load_fleet
+    from controller.model.fleet import load_fleet
 
     if not as_json:
         click.echo(f"Preparing {boxes} demo boxes (the first run builds the CPU engine and the container image)...")

@@ -1,7 +1,7 @@
 """``controller estimate``: predict a llama.cpp server's memory from a GGUF header, before any download.
 
 MODEL is a local GGUF path, an http(s) URL (only the header is fetched, with Range requests), or a
-model catalog id; the work is ``controller.estimate.source.estimate_model``.
+model catalog id; the work is ``controller.stages.estimate.source.estimate_model``.
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import math
 
 import click
 
-from controller.catalog import ModelEntry
-from controller.estimate.memory import ENGINES, SPLIT_MODES, Estimate
-from controller.estimate.model import QUANT_CACHE_TYPES
-from controller.estimate.source import (
+from controller.model.catalog import ModelEntry
+from controller.model.inputs import MAX_CTX, MAX_GPU_INDEX, MAX_GPU_MIB, MAX_SLOTS
+from controller.stages.estimate.memory import ENGINES, SPLIT_MODES, Estimate
+from controller.stages.estimate.model import QUANT_CACHE_TYPES
+from controller.stages.estimate.source import (
     EstimateError,
     estimate_draft,
     estimate_spec,
@@ -22,7 +23,6 @@ from controller.estimate.source import (
     resolve_model_source,
     with_draft,
 )
-from controller.inputs import MAX_CTX, MAX_GPU_INDEX, MAX_GPU_MIB, MAX_SLOTS
 
 
 def _number_list(value: str | None, option: str, kind: type = int) -> list:
@@ -109,8 +109,8 @@ def estimate_from_source(model: str, **options: object) -> tuple[Estimate, dict[
     """MODEL's estimate and what it was made from (``source`` of ``--json``): its GGUF header, or, for a catalog id
     whose header cannot be read (no access to the hub), the catalog's hyperparameters, which ``plan`` uses offline."""
     from controller.errors import CatalogError
-    from controller.estimate.gguf_header import GGUFHeaderError, read_header
-    from controller.estimate.model import model_spec
+    from controller.stages.estimate.gguf_header import GGUFHeaderError, read_header
+    from controller.stages.estimate.model import model_spec
 
     location = None
     try:
@@ -120,7 +120,7 @@ def estimate_from_source(model: str, **options: object) -> tuple[Estimate, dict[
         entry = None if is_gguf_source(model) or "/" in model else _catalog_entry(model)
         if entry is None or not entry.hparams:
             raise
-        from controller.planner.specs import spec_from_hparams
+        from controller.stages.planner.specs import spec_from_hparams
 
         return estimate_spec(spec_from_hparams(entry), **options), {
             "kind": "catalog", "model": entry.id, "header": location, "why": str(unread)}
@@ -128,8 +128,8 @@ def estimate_from_source(model: str, **options: object) -> tuple[Estimate, dict[
 
 
 def _catalog_entry(model: str) -> ModelEntry | None:
-    from controller.catalog import resolve_catalog_model
     from controller.errors import CatalogError
+    from controller.model.catalog import resolve_catalog_model
 
     try:
         return resolve_catalog_model(model)

@@ -12,7 +12,7 @@ from controller.cli.options import fleet_option, inventory_for, inventory_option
 from controller.errors import LockError
 
 if TYPE_CHECKING:
-    from controller.fleet import Fleet
+    from controller.model.fleet import Fleet
 
 
 @click.command()
@@ -27,7 +27,7 @@ def lock(boxes: tuple[str, ...], fleet_path: Path, inventory: Path | None, updat
     With a lock already there, compare and write nothing (exit 7 when the boxes would differ); --update
     writes what they plan to now, and drops the boxes the fleet no longer names.
     """
-    from controller.fleetrun import lock_fleet
+    from controller.actions.fleetrun import lock_fleet
 
     outcome = lock_fleet(load(fleet_path), fleet_path, inventory_for(fleet_path, inventory), list(boxes), update)
     current = outcome.written or not outcome.changes
@@ -47,8 +47,8 @@ def lock(boxes: tuple[str, ...], fleet_path: Path, inventory: Path | None, updat
 def guard(fleet: Fleet, fleet_path: Path, names: list[str], inventory: Path, locked: bool) -> None:
     """Before ``provision`` touches any box: with --locked, refuse whatever differs from the lock; without it,
     refuse only a lock that belongs to another fleet file (provisioning will write into it)."""
-    from controller.fleetrun import check_locked
-    from controller.lock import check_fleet_file, lock_path, read_lock
+    from controller.actions.fleetrun import check_locked
+    from controller.actions.lock import check_fleet_file, lock_path, read_lock
 
     if locked:
         check_locked(fleet, fleet_path, names, inventory)
@@ -60,7 +60,7 @@ def guard(fleet: Fleet, fleet_path: Path, names: list[str], inventory: Path, loc
 
 def note(fleet: Fleet, fleet_path: Path, inventory: Path, names: list[str], as_json: bool) -> None:
     """After an unlocked ``provision``: write what the boxes run into the lock and say what changed."""
-    from controller.lock import lock_path, record_rendered
+    from controller.actions.lock import lock_path, record_rendered
 
     if not names:
         return

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import click
 
 if TYPE_CHECKING:
-    from controller.fleet import Fleet
+    from controller.model.fleet import Fleet
 
 fleet_option = click.option(
     "--fleet", "fleet_path", type=click.Path(path_type=Path, dir_okay=False), required=True,
@@ -33,6 +33,6 @@ def inventory_for(fleet_path: Path, inventory: Path | None) -> Path:
 
 
 def load(fleet_path: Path) -> Fleet:
-    from controller.fleet import load_fleet
+    from controller.model.fleet import load_fleet
 
     return load_fleet(fleet_path)

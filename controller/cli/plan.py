@@ -25,9 +25,9 @@ import click
 from pydantic import ValidationError
 
 from controller.errors import PlanError, ProbeError
-from controller.inputs import MAX_CTX, PROFILE_MAX_BYTES, TooLarge, read_bounded
-from controller.profile import HardwareProfile
-from controller.serveplan import ServePlan
+from controller.model.inputs import MAX_CTX, PROFILE_MAX_BYTES, TooLarge, read_bounded
+from controller.model.profile import HardwareProfile
+from controller.model.serveplan import ServePlan
 
 
 def _headers(pairs: tuple[str, ...]) -> dict[str, str]:
@@ -93,10 +93,10 @@ class _PairedCommand(click.Command):
 def _plan_profile(profile_path: Path, models: tuple[str, ...], ctx: int | None, agents: int, base_port: int,
                   catalogs: tuple[Path, ...], headers: dict[str, str],
                   drafts: list[str | None] | None = None) -> ServePlan:
-    from controller.catalog import load_catalog
-    from controller.estimate.source import with_gguf_sources
-    from controller.fleet import WantedModel
-    from controller.planner import plan_models
+    from controller.model.catalog import load_catalog
+    from controller.model.fleet import WantedModel
+    from controller.stages.estimate.source import with_gguf_sources
+    from controller.stages.planner import plan_models
 
     profile = _load_profile(profile_path)
     drafts = list(drafts or []) + [None] * (len(models) - len(drafts or []))
@@ -110,12 +110,12 @@ def _plan_profile(profile_path: Path, models: tuple[str, ...], ctx: int | None, 
 
 
 def _plan_box(box_name: str, fleet_path: Path, headers: dict[str, str]) -> ServePlan:
+    from controller.actions.provision import add_gateway, box_and_catalog
     from controller.cli.options import inventory_for
-    from controller.fleet import load_fleet
-    from controller.planner import plan_box
-    from controller.probe.collect import probe_box  # the transports pull in fabric and pywinrm
-    from controller.provision import add_gateway, box_and_catalog
-    from controller.transports.known_hosts import beside_fleet
+    from controller.model.fleet import load_fleet
+    from controller.stages.planner import plan_box
+    from controller.stages.probe.collect import probe_box  # the transports pull in fabric and pywinrm
+    from controller.stages.transports.known_hosts import beside_fleet
 
     fleet = load_fleet(fleet_path)
     box, catalog = box_and_catalog(fleet, box_name)  # unknown model ids fail before any connection

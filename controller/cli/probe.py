@@ -18,9 +18,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from controller.errors import FleetError, ProbeError
-from controller.probe.groups import group_names
-from controller.probe.parse import PROBE_FILES, parse_outputs, read_dir
-from controller.profile import HardwareProfile
+from controller.model.profile import HardwareProfile
+from controller.stages.probe.groups import group_names
+from controller.stages.probe.parse import PROBE_FILES, parse_outputs, read_dir
 
 
 def _from_dir(folder: Path, model_dir: str | None) -> HardwareProfile:
@@ -33,9 +33,9 @@ def _from_dir(folder: Path, model_dir: str | None) -> HardwareProfile:
 def _from_box(name: str, fleet_path: Path | None) -> HardwareProfile:
     if fleet_path is None:
         raise FleetError(f"probing box {name!r} needs the fleet file that says how to reach it: add --fleet FILE")
-    from controller.fleet import load_fleet
-    from controller.probe.collect import probe_box  # the transports pull in fabric and pywinrm
-    from controller.transports.known_hosts import beside_fleet
+    from controller.model.fleet import load_fleet
+    from controller.stages.probe.collect import probe_box  # the transports pull in fabric and pywinrm
+    from controller.stages.transports.known_hosts import beside_fleet
 
     profile, _raw, _seconds = probe_box(load_fleet(fleet_path).box(name), known_hosts=beside_fleet(fleet_path))
     return profile

@@ -15,7 +15,7 @@ from controller.cli.options import box_command, fleet_option, inventory_for, inv
 from controller.errors import FleetRunError, PlanError, VerifyError
 
 if TYPE_CHECKING:
-    from controller.fleet import Fleet
+    from controller.model.fleet import Fleet
 
 
 @click.command()
@@ -48,9 +48,9 @@ def provision(boxes: tuple[str, ...], everything: bool, fleet_path: Path, invent
         return
     box = boxes[0]
     lock_guard(fleet, fleet_path, [box], target, locked)
-    from controller.progress import Progress
-    from controller.provision import provision as run_provision
-    from controller.report import markdown, not_as_asked
+    from controller.actions.provision import provision as run_provision
+    from controller.cli.progress import Progress
+    from controller.reports.provision import markdown, not_as_asked
 
     progress = Progress(as_json=as_json)
     report, result = run_provision(fleet, box, target, progress)
@@ -68,9 +68,9 @@ def provision(boxes: tuple[str, ...], everything: bool, fleet_path: Path, invent
 
 def provision_fleet(fleet: Fleet, names: list[str], inventory: Path, as_json: bool,
                     lock_for: Path | None = None) -> None:
-    """Provision several boxes at once (controller.fleetrun): live lines per box, then the summary table."""
-    from controller.fleetrun import failure_message, provision_many
-    from controller.progress import FleetProgress
+    """Provision several boxes at once (controller.actions.fleetrun): live lines per box, then the summary table."""
+    from controller.actions.fleetrun import failure_message, provision_many
+    from controller.cli.progress import FleetProgress
 
     with FleetProgress(names, as_json=as_json) as progress:
         done = provision_many(fleet, names, inventory, on_event=progress, on_stage=progress.stage)
@@ -83,9 +83,9 @@ def provision_fleet(fleet: Fleet, names: list[str], inventory: Path, as_json: bo
 
 
 def provision_workstation(fleet: Fleet, name: str, inventory: Path, as_json: bool) -> None:
-    """Wire a workstation's accounts to the boxes it names (controller.workstation, playbooks/clients.yml)."""
-    from controller.progress import Progress
-    from controller.workstation import provision_workstation as run_workstation
+    """Wire a workstation's accounts to the boxes it names (controller.actions.workstation, playbooks/clients.yml)."""
+    from controller.actions.workstation import provision_workstation as run_workstation
+    from controller.cli.progress import Progress
 
     progress = Progress(as_json=as_json)
     report, result = run_workstation(fleet, name, inventory, progress)
@@ -102,7 +102,7 @@ def provision_workstation(fleet: Fleet, name: str, inventory: Path, as_json: boo
 @box_command
 def render(box: str, fleet_path: Path, inventory: Path | None, as_json: bool) -> None:
     """Probe BOX and render its inventory without changing it (for plain ansible-playbook)."""
-    from controller.provision import prepare
+    from controller.actions.provision import prepare
 
     target = inventory_for(fleet_path, inventory)
     prepared = prepare(load(fleet_path), box, target)
@@ -116,8 +116,8 @@ def render(box: str, fleet_path: Path, inventory: Path | None, as_json: bool) ->
 @box_command
 def driver(box: str, fleet_path: Path, inventory: Path | None, as_json: bool) -> None:
     """Probe BOX and install only its NVIDIA driver (playbooks/driver.yml); says when a reboot is needed."""
-    from controller.progress import Progress
-    from controller.provision import install_driver
+    from controller.actions.provision import install_driver
+    from controller.cli.progress import Progress
 
     progress = Progress(as_json=as_json)
     section, result = install_driver(load(fleet_path), box, inventory_for(fleet_path, inventory), progress)

@@ -23,9 +23,9 @@ def seal(box: str, fleet_path: Path, inventory: Path | None, as_json: bool, buye
 
     Refused (exit 10) for a box without a passed certification; a sealed box is left alone (exit 0); exit 5 when
     the last step could not do everything (the seal is recorded and the line says what to do at the console)."""
-    from controller.progress import Progress
-    from controller.seal import buyer_folder
-    from controller.seal import seal as seal_box
+    from controller.actions.seal import buyer_folder
+    from controller.actions.seal import seal as seal_box
+    from controller.cli.progress import Progress
 
     answer = seal_box(load(fleet_path), fleet_path, box, inventory_for(fleet_path, inventory),
                       buyer_dir if buyer_dir is not None else buyer_folder(fleet_path),

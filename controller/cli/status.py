@@ -24,7 +24,7 @@ def status(boxes: tuple[str, ...], everything: bool, fleet_path: Path, inventory
     provisioned), 6 a server is stopped or unhealthy, 9 drift only. A box this inventory sealed is named as
     handed over, not read, and changes no exit code.
     """
-    from controller.verify.status import exit_code, run_status, to_json
+    from controller.stages.verify.status import exit_code, run_status, to_json
 
     fleet = load(fleet_path)
     names = fleet.select(boxes, everything)

@@ -13,8 +13,8 @@ from controller.cli.options import box_command, inventory_for, load
 @box_command
 def verify(box: str, fleet_path: Path, inventory: Path | None, as_json: bool) -> None:
     """Run playbooks/verify.yml on BOX's rendered inventory and print what its servers answered."""
-    from controller.progress import Progress
-    from controller.verify import run_verify
+    from controller.cli.progress import Progress
+    from controller.stages.verify import run_verify
 
     progress = Progress(as_json=as_json)
     section, result = run_verify(load(fleet_path), box, inventory_for(fleet_path, inventory), progress)

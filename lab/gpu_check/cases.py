@@ -4,7 +4,7 @@ The cases are the ones recorded on the H100 (../shared/fixtures/gpu-h100-580/cud
 hyperparameters; a unit test keeps them equal). Each run writes ``<case>.json`` in that folder's format
 (``case``, ``error``, ``seconds``, ``truth``) and ``<case>.log``, the server's whole log at ``-lv 4``.
 :func:`truth_from_log` is pure: it turns a log into the ``truth`` block (the buffers read by
-``controller.estimate.llamalog``, the KV cache lines and the output buffer read here).
+``controller.stages.estimate.llamalog``, the KV cache lines and the output buffer read here).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def server_args(case: Mapping[str, Any], model_path: str, port: int) -> list[str
 
 def truth_from_log(text: str) -> dict[str, Any]:
     """The ``truth`` block of a recorded case from the server's log (without ``health_s`` and ``server_cmd``)."""
-    from controller.estimate.llamalog import parse_log
+    from controller.stages.estimate.llamalog import parse_log
 
     log = parse_log(text)
     model_buffers = {device: round(mib, 2) for device, mib in sorted(log.buffers.get("model", {}).items())}

@@ -222,7 +222,7 @@ def nvidia_smi_part(smi: str | None, out: Path, section: Section) -> list[dict[s
     section.headline = f"{len(read)} of {len(answers)} answers read by the product's parsers" + (
         f"; {len(failed)} with problems" if failed else "")
     try:
-        from controller.probe.parse import parse_outputs
+        from controller.stages.probe.parse import parse_outputs
 
         profile = parse_outputs(probe, model_dir="/")
         return [{"index": g.index, "minor_number": g.minor_number if g.minor_number is not None else g.index}

@@ -1,7 +1,7 @@
 """Every nvidia-smi query the product makes, asked of this machine's driver and read by the product's own parsers.
 
 The queries are taken from where the product makes them, never copied: the probe's script
-(``controller.probe.commands``), the thermal guard's script (``roles/thermal_guard/files/thermal_guard.py``),
+(``controller.stages.probe.commands``), the thermal guard's script (``roles/thermal_guard/files/thermal_guard.py``),
 the burn-in and status modules (``plugins/modules/llama_burn_in.py``, ``llama_box_state.py``) and the roles'
 own variables (``nvidia_driver``'s GPU list, ``thermal_guard``'s power range preflight). Two users asking the same
 thing share one run. :func:`check_outputs` is pure: the tests feed it the outputs recorded on driver 580.
@@ -210,10 +210,10 @@ READERS: dict[str, Callable[[Parsers, str, Answer], None]] = {
 
 
 def read_probe(sections: Mapping[str, str]) -> Answer:
-    """The probe's outputs through ``controller.probe.parse.parse_outputs``: the profile, and what it could not read."""
-    from controller.probe.parse import parse_outputs
+    """The probe's outputs through ``controller.stages.probe.parse.parse_outputs``: the profile, and what it could not read."""
+    from controller.stages.probe.parse import parse_outputs
 
-    answer = Answer(PROBE_FOLDER, "the probe's script (controller.probe.commands.linux_probe_script)", ["probe"])
+    answer = Answer(PROBE_FOLDER, "the probe's script (controller.stages.probe.commands.linux_probe_script)", ["probe"])
     profile = parse_outputs(dict(sections), model_dir="/")
     answer.problems += [f"warning: {w}" for w in profile.warnings]
     if not profile.gpus:
@@ -291,7 +291,7 @@ def run_queries(smi: str, queries: list[Query], out: Path, *, timeout: float = 3
 
 def run_probe(smi: str, out: Path, *, timeout: float = 120) -> dict[str, str]:
     """The probe's own script, run here as it runs on a box; each output kept as ``out/<name>``."""
-    from controller.probe.commands import linux_probe_script, split_probe_output
+    from controller.stages.probe.commands import linux_probe_script, split_probe_output
 
     env, folder = _env_with(smi)
     with folder:

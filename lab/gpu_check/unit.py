@@ -51,7 +51,7 @@ def ansible_playbook() -> str | None:
 
 def render_unit(gpus: Sequence[Mapping[str, object]], *, nccl: bool = False, timeout: float = 120) -> str:
     """The unit llama_service writes for one loopback instance on ``gpus`` (dicts with ``index``, ``minor_number``)."""
-    from controller import facts
+    from controller.model import rules
 
     playbook_bin = ansible_playbook()
     if playbook_bin is None:
@@ -74,8 +74,8 @@ def render_unit(gpus: Sequence[Mapping[str, object]], *, nccl: bool = False, tim
             "llama_service_bind": "127.0.0.1",
             "llama_service_api_key": "0123456789abcdef0123",
             "nvidia_driver_gpus": [dict(g) for g in gpus],
-            "gguf_model_dir": facts.DEFAULT_MODEL_DIR["linux"],
-            "llama_service_template_dir": facts.TEMPLATE_DIR["linux"],
+            "gguf_model_dir": rules.DEFAULT_MODEL_DIR["linux"],
+            "llama_service_template_dir": rules.TEMPLATE_DIR["linux"],
             "ansible_python_interpreter": sys.executable,
         }))
         env = {**os.environ, "ANSIBLE_FILTER_PLUGINS": str(ROOT / "plugins" / "filter"), "ANSIBLE_NOCOLOR": "1",

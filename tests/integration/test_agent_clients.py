@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.catalog import load_catalog
-from controller.fleet import load_fleet
-from controller.planner import plan_box
-from controller.profile import Cpu, HardwareProfile, OsInfo
+from controller.model.catalog import load_catalog
+from controller.model.fleet import load_fleet
+from controller.model.profile import Cpu, HardwareProfile, OsInfo
+from controller.stages.planner import plan_box
 from lab.agent_turn import run_turn
 from lab.site import DEMO_MODELS, MODEL_REPO
 from lab.target import free_port

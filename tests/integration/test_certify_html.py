@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from controller import certify_report
+from controller.reports import certify as certify_report
 from tests.unit.test_certify_report import full_report
 
 pytestmark = [pytest.mark.browser]

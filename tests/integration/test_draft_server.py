@@ -15,11 +15,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from controller.catalog import load_catalog
-from controller.estimate.llamalog import parse_log
-from controller.estimate.source import estimate_draft, estimate_model, with_draft, with_gguf_sources
-from controller.fleet import WantedModel
-from controller.planner import plan_models
+from controller.model.catalog import load_catalog
+from controller.model.fleet import WantedModel
+from controller.stages.estimate.llamalog import parse_log
+from controller.stages.estimate.source import estimate_draft, estimate_model, with_draft, with_gguf_sources
+from controller.stages.planner import plan_models
 from lab.estimate_check import COMPUTE_TOL, KV_TOL, WEIGHTS_TOL, within
 from lab.target import free_port
 from lab.tinymodels import write_model

@@ -1,6 +1,6 @@
 """A controller killed with SIGKILL takes its run with it (issue 19, item 4).
 
-Real ansible-playbook runs against this machine (connection local) through controller.runner, in a controller
+Real ansible-playbook runs against this machine (connection local) through controller.stages.runner, in a controller
 process that the test kills: nothing of the run goes on, its secrets do not stay behind, and a second
 controller on the same inventory does not start while any process of the first run is alive.
 """
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow  # each test runs ansible-playbook twice (seconds)
 RUN_SCRIPT = """\
 import sys
 from pathlib import Path
-from controller.runner import run_playbook
+from controller.stages.runner import run_playbook
 run_playbook(sys.argv[1], inventory=Path(sys.argv[2]), secrets={"llama_service_api_key": "sk-killed-run-0451"})
 """
 

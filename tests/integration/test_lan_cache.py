@@ -21,11 +21,11 @@ import httpx
 import pytest
 import yaml
 
-from controller.fleet import load_fleet
-from controller.provision import prepare
-from controller.render import read_rendered
-from controller.report import cache_section
-from controller.runner import run_playbook
+from controller.actions.provision import prepare
+from controller.model.fleet import load_fleet
+from controller.reports.provision import cache_section
+from controller.stages.render import read_rendered
+from controller.stages.runner import run_playbook
 from lab.fileserver import FileServer
 from lab.site import MODEL_REPO, PACK_NAME
 from lab.target import free_port, started

@@ -29,7 +29,7 @@ import httpx
 import pytest
 import yaml
 
-from controller.clients import max_output_tokens
+from controller.actions.clients import max_output_tokens
 from lab import haproxy
 from lab.claude_code import claude_binary, claude_env
 from lab.fileserver import FileServer
@@ -116,7 +116,7 @@ def test_route_to_a_box_without_a_plan_names_it(fleet):
 
 
 def test_route_to_an_unreachable_box_stops_provisioning_naming_it(fleet):
-    from controller.serveplan import ServePlan, Service
+    from controller.model.serveplan import ServePlan, Service
 
     port = free_port()  # nothing listens there
     plan = ServePlan(fits=True, services=[Service(name="llama-tiny-far", model="tiny-far", model_file="x.gguf",

@@ -7,7 +7,7 @@ V100BOX_TOKEN_URL and V100BOX_LAB_TOKEN (the site over HTTPS behind a bearer tok
 throwaway certificate, which a prepare playbook copies into the target),
 V100BOX_MODEL_PATH / V100BOX_MODEL_SHA256 / V100BOX_MODEL_SIZE, V100BOX_SOURCE_SHA256, V100BOX_TEST_PORT,
 V100BOX_APT_URL (the stand-in NVIDIA driver repository, `python -m lab.aptrepo build DIR`),
-V100BOX_DRIVER_WINDOW (controller.facts.driver_window() as JSON: the roles take the window from the inventory) and
+V100BOX_DRIVER_WINDOW (controller.model.rules.driver_window() as JSON: the roles take the window from the inventory) and
 V100BOX_TARGET_IMAGE. To run one by hand, serve a site with `python -m lab.fileserver` and export
 the same variables, then `cd roles/<role> && molecule test -s <scenario>`.
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller import facts
+from controller.model import rules
 from lab import aptrepo
 from lab.fileserver import FileServer
 from lab.site import PACK_NAME, sha256_file
@@ -107,7 +107,7 @@ def scenario_env(lab_site, target_image):
             "V100BOX_MODEL_SIZE": str(model["size_bytes"]),
             "V100BOX_SOURCE_SHA256": sha256_file(source),
             "V100BOX_APT_URL": apt_server.url,
-            "V100BOX_DRIVER_WINDOW": json.dumps(facts.driver_window()),
+            "V100BOX_DRIVER_WINDOW": json.dumps(rules.driver_window()),
             "V100BOX_TARGET_IMAGE": target_image,
             "ANSIBLE_FORCE_COLOR": "0",
             "PY_COLORS": "0",

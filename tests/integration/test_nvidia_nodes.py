@@ -117,7 +117,7 @@ def box(systemd_target, site_server, lab_site, tmp_path_factory):
         "gguf_model_dir": "/var/lib/llama/models",
         "llama_service_template_dir": "/etc/llama/templates",
         "llama_service_gpus": [{"index": 0, "name": "Tesla V100-SXM2-32GB", "uuid": UUID, "minor_number": MINOR}],
-        # As controller/render.py projects a planned GPU service (controller/planner/sandbox.py decides).
+        # As controller/stages/render.py projects a planned GPU service (controller/stages/planner/sandbox.py decides).
         "llama_service_instances": [{
             "name": SERVICE, "model": "tiny", "engine": "cpu", "port": port,
             "args": ["--model", "/var/lib/llama/models/tiny.gguf", "--alias", "tiny", "--port", str(port),

@@ -19,11 +19,11 @@ import pytest
 import yaml
 
 from controller.errors import TransportError
-from controller.fleet import load_fleet
-from controller.probe import parse_outputs
-from controller.probe.collect import probe_box
-from controller.runner import run_playbook
-from controller.transports.known_hosts import parse_public_key
+from controller.model.fleet import load_fleet
+from controller.stages.probe import parse_outputs
+from controller.stages.probe.collect import probe_box
+from controller.stages.runner import run_playbook
+from controller.stages.transports.known_hosts import parse_public_key
 from lab import standin_smi
 from lab.target import Target
 from tests.cli import run_controller

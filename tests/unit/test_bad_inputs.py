@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.catalog import load_catalog
+from controller.actions.lock import read_lock
 from controller.errors import CatalogError, FleetError, LockError
-from controller.fleet import load_fleet
-from controller.lock import read_lock
+from controller.model.catalog import load_catalog
+from controller.model.fleet import load_fleet
 from tests.cli import REPO, invoke
 from tests.unit.clean_errors import assert_one_line_error
 from tests.unit.planner.helpers import SINGLE, TWELVE, profile
@@ -409,7 +409,7 @@ def test_a_lock_far_too_large_or_an_alias_bomb_is_refused(tmp_path):
 
 def test_a_probe_output_no_box_can_have_is_one_line_not_a_crash():
     from controller.errors import ProbeError
-    from controller.probe.parse import parse_outputs
+    from controller.stages.probe.parse import parse_outputs
 
     csv = ("index, uuid, name, memory.total [MiB], compute_cap, pci.bus_id, driver_version\n"
            "0, GPU-1, Tesla V100-SXM2-16GB, -16384 MiB, 7.0, 00000000:3B:00.0, 580.82.07\n")

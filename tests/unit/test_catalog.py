@@ -1,9 +1,9 @@
 import pytest
 import yaml
 
-from controller.catalog import load_catalog
 from controller.errors import CatalogError
-from controller.profile import Cpu, HardwareProfile, OsInfo
+from controller.model.catalog import load_catalog
+from controller.model.profile import Cpu, HardwareProfile, OsInfo
 from tests.cli import run_controller
 from tests.unit.clean_errors import assert_one_line_error
 

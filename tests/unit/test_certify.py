@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from controller.catalog import ThroughputBand, load_catalog
-from controller.certify import parse_duration
+from controller.actions.certify import parse_duration
 from controller.errors import FleetError
-from controller.fleet import parse_fleet
-from controller.profile import Driver, Gpu, HardwareProfile
-from controller.runner import RunResult
-from controller.verify.certify import band_for, evaluate, likely_causes
+from controller.model.catalog import ThroughputBand, load_catalog
+from controller.model.fleet import parse_fleet
+from controller.model.profile import Driver, Gpu, HardwareProfile
+from controller.stages.runner import RunResult
+from controller.stages.verify.certify import band_for, evaluate, likely_causes
 from tests.unit.test_verify_status import ANSWERS, plan
 
 BOX = parse_fleet({"boxes": {"lab1": {"address": "10.0.0.5", "models": [{"id": "tiny-llama"}]}}},
@@ -155,7 +155,7 @@ def test_a_failed_run_fails_the_certification():
 def test_a_tool_call_not_checked_reads_as_not_checked_in_a_passing_report():
     """Issue 21: certify passed while its Endpoints section printed "Tool call round trip: FAILED: tool_use block
     no..." for a model whose template makes no tool calls (listed as not checked)."""
-    from controller.certify_report import html, markdown
+    from controller.reports.certify import html, markdown
 
     class NoTools(_Catalog):
         def model(self, _model_id: str) -> Any:

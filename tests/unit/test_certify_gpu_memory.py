@@ -7,10 +7,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from controller import certify_report
-from controller.profile import Driver, Gpu, HardwareProfile
-from controller.serveplan import ServePlan, Service, ServiceMemory
-from controller.verify.certify import GPU_MEMORY, evaluate, gpu_memory
+from controller.model.profile import Driver, Gpu, HardwareProfile
+from controller.model.serveplan import ServePlan, Service, ServiceMemory
+from controller.reports import certify as certify_report
+from controller.stages.verify.certify import GPU_MEMORY, evaluate, gpu_memory
 from tests.unit.test_certify import BOX, CHECKED, _Catalog, band, run
 from tests.unit.test_verify_status import ANSWERS
 from tests.unit.test_verify_status import plan as status_plan

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from controller import certify_report
+from controller.reports import certify as certify_report
 
 SECTION_TITLES = ["Summary", "Not checked", "Identity", "Installed", "Endpoints", "Throughput", "GPU memory vs plan",
                   "Burn-in", "Thermal guard", "Power limits", "Seal"]

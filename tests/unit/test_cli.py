@@ -54,10 +54,10 @@ def _fleet(tmp_path: Path) -> Path:
 
 
 def test_an_unverified_provision_prints_the_report_then_exits_6(tmp_path, monkeypatch):
-    from controller.runner import RunResult
+    from controller.stages.runner import RunResult
 
     report = {"verified": False, "services": []}
-    monkeypatch.setattr("controller.provision.provision",
+    monkeypatch.setattr("controller.actions.provision.provision",
                         lambda fleet, box, inventory, progress: (report, RunResult("site.yml", "successful", 0, 1.0)))
     result = invoke("provision", "box3", "--fleet", str(_fleet(tmp_path)), "--json")
     assert result.exit_code == 6, result.output
@@ -71,14 +71,14 @@ NOT_PLACED = {"model": "qwen3.5-122b-a10b-q8_0",
 
 
 def _partly_placed(monkeypatch, verified: bool = True) -> dict:
-    from controller.runner import RunResult
+    from controller.stages.runner import RunResult
 
     report = {"box": "box3", "address": "192.0.2.10", "generated": "2026-11-24T03:00:00+00:00",
               "hardware": {"gpus": [], "driver": None, "cpu": "x", "cores": 2, "memory_mib": 8192, "os": "Debian 12",
                            "warnings": [], "probe_seconds": 0.5},
               "run": None, "driver": {}, "cache": None, "services": [], "unplaced": [NOT_PLACED],
               "verified": verified, "provisioned_as_asked": False}
-    monkeypatch.setattr("controller.provision.provision",
+    monkeypatch.setattr("controller.actions.provision.provision",
                         lambda fleet, box, inventory, progress: (report, RunResult("site.yml", "successful", 0, 1.0)))
     return report
 

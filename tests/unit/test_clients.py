@@ -9,9 +9,9 @@ import json5
 import pytest
 import yaml
 
-from controller.clients import OpenClawConfigError, merge_openclaw
-from controller.fleet import WantedModel
-from controller.planner import plan_models
+from controller.actions.clients import OpenClawConfigError, merge_openclaw
+from controller.model.fleet import WantedModel
+from controller.stages.planner import plan_models
 from tests.cli import invoke
 from tests.unit.planner.helpers import CPU_ONLY, catalog, profile
 

@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from controller.errors import FleetError
-from controller.fleet import load_fleet
+from controller.model.fleet import load_fleet
 from tests.cli import run_controller
 from tests.unit.clean_errors import assert_one_line_error
 

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from controller.actions.fleetrun import FAILED, OK, UNREACHABLE, BoxOutcome, FleetRun, _host_run, failure_message
+from controller.cli.progress import FleetProgress, summary_table
 from controller.errors import FleetError
-from controller.fleet import load_fleet, parse_fleet
-from controller.fleetrun import FAILED, OK, UNREACHABLE, BoxOutcome, FleetRun, _host_run, failure_message
-from controller.progress import FleetProgress, summary_table
-from controller.render import hosts_yml
-from controller.runner import FailedTask, HostStats, RunResult, run_playbook
+from controller.model.fleet import load_fleet, parse_fleet
+from controller.stages.render import hosts_yml
+from controller.stages.runner import FailedTask, HostStats, RunResult, run_playbook
 from tests.cli import REPO, invoke, run_controller
 from tests.unit.clean_errors import assert_one_line_error
 
@@ -147,8 +147,8 @@ def test_a_box_that_serves_only_what_fits_is_not_as_asked_and_fails_the_fleet_ru
     """Issue 21: the run serves the models that fit, but the box's result says it is not as asked (exit 8)."""
     import copy
 
-    from controller.fleetrun import NOT_AS_ASKED, _finish, _Planned, _Spans
-    from controller.serveplan import Unplaced
+    from controller.actions.fleetrun import NOT_AS_ASKED, _finish, _Planned, _Spans
+    from controller.model.serveplan import Unplaced
     from tests.unit.test_verify import RECORDED, plan_of, service
     from tests.unit.tiny_box import CPU_PROFILE
 
@@ -186,7 +186,7 @@ def test_progress_lines_name_the_box_its_task_and_its_counts(tmp_path):
 
 
 def test_some_boxes_failing_prints_the_table_and_exits_8_naming_them(tmp_path, monkeypatch):
-    monkeypatch.setattr("controller.fleetrun.provision_many", lambda fleet, names, inventory, **kw: _fleet_run())
+    monkeypatch.setattr("controller.actions.fleetrun.provision_many", lambda fleet, names, inventory, **kw: _fleet_run())
     result = invoke("provision", "rack1", "c3", "--fleet", str(fleet_file(tmp_path)))
     assert result.exit_code == 8, result.output
     assert "fleet summary" in result.stdout and "1 of 3 boxes provisioned and verified" in result.stdout
@@ -197,9 +197,9 @@ def test_some_boxes_failing_prints_the_table_and_exits_8_naming_them(tmp_path, m
 def test_one_box_name_keeps_the_single_box_path(tmp_path, monkeypatch):
     """`controller provision BOX` is the one-box command as before; a group name or several names are a fleet run."""
     chosen = []
-    monkeypatch.setattr("controller.fleetrun.provision_many",
+    monkeypatch.setattr("controller.actions.fleetrun.provision_many",
                         lambda fleet, names, inventory, **kw: chosen.append(names) or FleetRun([], 0.0, 0.0))
-    monkeypatch.setattr("controller.provision.provision", lambda *a: (_ for _ in ()).throw(SystemExit(42)))
+    monkeypatch.setattr("controller.actions.provision.provision", lambda *a: (_ for _ in ()).throw(SystemExit(42)))
     path = fleet_file(tmp_path)
     assert invoke("provision", "a1", "--fleet", str(path)).exit_code == 42
     for args, names in ((["rack2"], ["c3"]), (["a1", "c3"], ["a1", "c3"]), (["--all"], ["a1", "b2", "c3"])):

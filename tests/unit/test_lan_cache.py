@@ -9,13 +9,13 @@ import re
 import pytest
 import yaml
 
-from controller.catalog import load_catalog
 from controller.errors import FleetError
-from controller.fleet import parse_fleet
-from controller.planner import plan_box
-from controller.render import host_vars
-from controller.report import cache_section, markdown
-from controller.runner import RunResult
+from controller.model.catalog import load_catalog
+from controller.model.fleet import parse_fleet
+from controller.reports.provision import cache_section, markdown
+from controller.stages.planner import plan_box
+from controller.stages.render import host_vars
+from controller.stages.runner import RunResult
 from lab.site import PACK_NAME, pinned_engine
 from tests.unit.tiny_box import CPU_PROFILE, tiny_catalog_file
 from tests.unit.windows.ansible_local import ROLES, role_vars, run_playbook

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller import facts
+from controller.model import rules
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLE = ROOT / "roles" / "llama_service"
@@ -89,8 +89,8 @@ def units(tmp_path_factory) -> dict[str, Path]:
         "llama_service_api_key": "0123456789abcdef0123",
         "llama_service_allow_from": ["192.168.1.0/24", "2001:db8::/32"],
         "nvidia_driver_gpus": GPUS,
-        "gguf_model_dir": facts.DEFAULT_MODEL_DIR["linux"],  # render passes it; the role has no default
-        "llama_service_template_dir": facts.TEMPLATE_DIR["linux"],
+        "gguf_model_dir": rules.DEFAULT_MODEL_DIR["linux"],  # render passes it; the role has no default
+        "llama_service_template_dir": rules.TEMPLATE_DIR["linux"],
         "ansible_python_interpreter": sys.executable,
     }))
     env = {**os.environ, "ANSIBLE_FILTER_PLUGINS": str(ROOT / "plugins/filter"), "ANSIBLE_NOCOLOR": "1"}

@@ -1,4 +1,4 @@
-"""The fleet lock: what it records, how it compares, and each refusal (controller/lock.py, `controller lock`)."""
+"""The fleet lock: what it records, how it compares, and each refusal (controller/actions/lock.py, `controller lock`)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.catalog import load_catalog
-from controller.errors import LockError
-from controller.fleet import parse_fleet
-from controller.lock import (
+from controller.actions.lock import (
     TEMPLATE_FILES,
     box_entry,
     check_box,
@@ -24,8 +21,11 @@ from controller.lock import (
     read_lock,
     updated,
 )
-from controller.planner import plan_box
-from controller.profile import Cpu, Driver, HardwareProfile, OsInfo
+from controller.errors import LockError
+from controller.model.catalog import load_catalog
+from controller.model.fleet import parse_fleet
+from controller.model.profile import Cpu, Driver, HardwareProfile, OsInfo
+from controller.stages.planner import plan_box
 from lab.fileserver import FileServer
 from tests.cli import invoke
 
@@ -271,7 +271,7 @@ def test_a_damaged_lock_is_refused_with_what_to_do(tmp_path):
 
 
 def test_provisioning_records_the_rendered_plan_and_says_what_changed(tmp_path, mirror):
-    from controller.lock import record_rendered
+    from controller.actions.lock import record_rendered
 
     fleet, path, box, plan = planned(tmp_path, mirror=mirror)
     inventory = tmp_path / "inventory"
@@ -294,7 +294,7 @@ def test_provisioning_records_the_rendered_plan_and_says_what_changed(tmp_path, 
 def test_runs_side_by_side_lose_no_entries(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
-    from controller.lock import record
+    from controller.actions.lock import record
 
     names = tuple(f"box{i}" for i in range(1, 9))
     fleet, path, box, plan = planned(tmp_path, boxes=names)

@@ -3,13 +3,13 @@ import json
 import pytest
 import yaml
 
-from controller.catalog import load_catalog
 from controller.errors import CatalogError, FleetError, PlanError
-from controller.fleet import parse_fleet
-from controller.planner import plan_box, plan_driver
-from controller.profile import Cpu, Gpu, HardwareProfile, OsInfo
-from controller.render import host_vars as render_host_vars
-from controller.render import render_box
+from controller.model.catalog import load_catalog
+from controller.model.fleet import parse_fleet
+from controller.model.profile import Cpu, Gpu, HardwareProfile, OsInfo
+from controller.stages.planner import plan_box, plan_driver
+from controller.stages.render import host_vars as render_host_vars
+from controller.stages.render import render_box
 
 SHA = "cd" * 32
 

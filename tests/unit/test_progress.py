@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from controller.progress import Progress
+from controller.cli.progress import Progress
 
 
 def test_task_names_with_square_brackets_print_as_written():

@@ -20,11 +20,11 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from controller.catalog import load_catalog
-from controller.fleet import parse_fleet
-from controller.planner import plan_box, plan_driver
-from controller.profile import Cpu, Disk, Driver, Gpu, HardwareProfile, NvLink, OsInfo
-from controller.render import read_rendered, render_box
+from controller.model.catalog import load_catalog
+from controller.model.fleet import parse_fleet
+from controller.model.profile import Cpu, Disk, Driver, Gpu, HardwareProfile, NvLink, OsInfo
+from controller.stages.planner import plan_box, plan_driver
+from controller.stages.render import read_rendered, render_box
 
 PROJECT = Path(__file__).resolve().parents[2]
 SHA = "ab" * 32
@@ -189,7 +189,7 @@ def test_plain_ansible_checks_the_host_keys_the_controller_recorded(tmp_path):
 def test_a_box_reached_as_a_sudo_account_becomes_root_as_a_workstation_does(tmp_path):
     """`user: builder` with the fleet's default `become: true` gets sudo for its root tasks (and sudo the login
     password when there is one); root, `become: false` and WinRM get none. Workstations take the same connection_vars."""
-    from controller.render import connection_vars, secrets_for
+    from controller.stages.render import connection_vars, secrets_for
 
     (tmp_path / "pw").write_text("builder-password")
     fleet = parse_fleet({"boxes": {"b1": {"address": "192.0.2.5", "user": "builder", "password": {"file": str(tmp_path / "pw")}},

@@ -8,8 +8,8 @@ import hashlib
 import pytest
 import yaml
 
-from controller.catalog import load_catalog
 from controller.errors import CatalogError
+from controller.model.catalog import load_catalog
 from lab.site import LAB_ENGINE, PACK_NAME, pinned_engine
 from tests.unit.tiny_box import tiny_box_vars, tiny_catalog_file
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from controller.catalog import load_catalog
 from controller.errors import FleetError, PlanError
-from controller.fleet import check_api_key, parse_fleet
-from controller.render import secrets_for
+from controller.model.catalog import load_catalog
+from controller.model.fleet import check_api_key, parse_fleet
+from controller.stages.render import secrets_for
 from tests.unit.tiny_box import tiny_box_vars, tiny_catalog_file
 
 SHA = "cd" * 32

@@ -3,13 +3,13 @@
 import pytest
 import yaml
 
-from controller.catalog import load_catalog
 from controller.errors import CatalogError, FleetError
-from controller.fleet import parse_fleet
-from controller.planner import plan_box
-from controller.profile import OsInfo
-from controller.render import render_box
-from controller.report import MCDM_NOTE, build_report
+from controller.model.catalog import load_catalog
+from controller.model.fleet import parse_fleet
+from controller.model.profile import OsInfo
+from controller.reports.provision import MCDM_NOTE, build_report
+from controller.stages.planner import plan_box
+from controller.stages.render import render_box
 from tests.unit.planner.helpers import DUAL, SINGLE, profile
 
 SHA = "ab" * 32

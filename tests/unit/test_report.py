@@ -1,13 +1,13 @@
-"""The report keeps its JSON fields, and says verified exactly when controller.verify's verdict does."""
+"""The report keeps its JSON fields, and says verified exactly when controller.stages.verify's verdict does."""
 
 from __future__ import annotations
 
 import copy
 
-from controller.fleet import parse_fleet
-from controller.report import build_report, markdown, not_as_asked
-from controller.runner import HostStats, RunResult
-from controller.serveplan import Unplaced
+from controller.model.fleet import parse_fleet
+from controller.model.serveplan import Unplaced
+from controller.reports.provision import build_report, markdown, not_as_asked
+from controller.stages.runner import HostStats, RunResult
 from tests.unit.test_verify import RECORDED, plan_of, service
 from tests.unit.tiny_box import CPU_PROFILE
 

@@ -1,5 +1,5 @@
 """One role per concern for both OSes, each documenting its variables once, and none restating a fact that the
-controller owns (controller/facts.py): those reach the roles through the inventory."""
+controller owns (controller/model/rules.py): those reach the roles through the inventory."""
 
 import re
 from pathlib import Path
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller import facts
+from controller.model import rules
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLE_NAMES = ["agent_clients", "box_seal", "gguf_model", "lan_cache", "llama_engine", "llama_service", "llama_verify",
@@ -23,7 +23,7 @@ LINUX_ONLY = {"agent_clients", "box_seal", "llm_gateway", "lan_cache"}
 # Both OSes, run end to end instead of molecule: thermal_guard in tests/integration/test_thermal_guard.py (a real
 # box with a stand-in nvidia-smi whose temperatures the test sets); its Windows side is rendered in a unit test.
 END_TO_END = {"thermal_guard"}
-# Variables whose values are facts of controller/facts.py: the inventory carries them, no role defaults them.
+# Variables whose values are facts of controller/model/rules.py: the inventory carries them, no role defaults them.
 FACT_VARIABLES = {
     "nvidia_driver": {"nvidia_driver_window", "nvidia_driver_installer"},
     "gguf_model": {"gguf_model_dir"},
@@ -68,8 +68,8 @@ def test_fact_variables_come_from_the_inventory_only(role: Path):
 
 
 FACT_TEXTS = sorted({
-    str(facts.DRIVER_FIRST_MAJOR), str(facts.DRIVER_LAST_MAJOR), *map(str, facts.DRIVER_BRANCHES),
-    facts.WINDOWS_DRIVER, *facts.DEFAULT_MODEL_DIR.values(),
+    str(rules.DRIVER_FIRST_MAJOR), str(rules.DRIVER_LAST_MAJOR), *map(str, rules.DRIVER_BRANCHES),
+    rules.WINDOWS_DRIVER, *rules.DEFAULT_MODEL_DIR.values(),
 })
 
 
@@ -90,7 +90,7 @@ def _restated(text: str) -> list[str]:
 
 @pytest.mark.parametrize("path", _defaults_and_vars_files(), ids=lambda p: f"{p.parent.parent.name}/{p.parent.name}/{p.name}")
 def test_no_role_restates_a_fact_of_the_controller(path: Path):
-    assert _restated(path.read_text()) == [], f"{path} restates a fact of controller/facts.py"
+    assert _restated(path.read_text()) == [], f"{path} restates a fact of controller/model/rules.py"
 
 
 def test_the_fact_check_catches_a_restated_fact():

@@ -1,4 +1,4 @@
-"""controller.runner with real ansible-playbook runs against this machine (connection local).
+"""controller.stages.runner with real ansible-playbook runs against this machine (connection local).
 
 The environment a run sees is allow-listed (foreign secrets in the controller's shell never reach the
 artifacts), Ctrl-C stops a run cleanly with exit code 130 and says where, and two controllers on one
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.runner import RunInterrupted, run_env, run_playbook
+from controller.stages.runner import RunInterrupted, run_env, run_playbook
 
 pytestmark = pytest.mark.slow  # each test runs ansible-playbook (a few seconds)
 
@@ -73,7 +73,7 @@ def test_a_run_sees_only_the_allow_listed_environment(tmp_path: Path, monkeypatc
 RUN_SCRIPT = """\
 import sys
 from pathlib import Path
-from controller.runner import run_playbook, RunInterrupted
+from controller.stages.runner import run_playbook, RunInterrupted
 try:
     run_playbook(sys.argv[1], inventory=Path(sys.argv[2]))
 except RunInterrupted as exc:
@@ -156,7 +156,7 @@ def test_an_interrupted_run_in_process_reports_the_task(tmp_path: Path) -> None:
 LOCKED_SCRIPT = """\
 import sys
 from pathlib import Path
-from controller.runner import run_playbook
+from controller.stages.runner import run_playbook
 run_playbook(sys.argv[1], inventory=Path(sys.argv[2]))
 """
 
@@ -202,7 +202,7 @@ def test_a_secret_holding_a_template_arrives_verbatim(tmp_path: Path) -> None:
 
 def test_a_stopped_group_that_ignores_ctrl_c_is_killed_after_the_grace_period() -> None:
     """A worker left behind by ansible-playbook (same group, deaf to SIGINT) does not outlive the run."""
-    from controller import runner
+    from controller.stages import runner
 
     deaf = subprocess.Popen(["sh", "-c", "trap '' INT; sleep 60"], start_new_session=True)
     try:
@@ -219,7 +219,7 @@ def test_a_stopped_group_that_ignores_ctrl_c_is_killed_after_the_grace_period() 
 
 
 def test_a_failure_a_rescue_caught_is_not_named_as_one():
-    from controller.runner import FailedTask, HostStats, unrescued
+    from controller.stages.runner import FailedTask, HostStats, unrescued
 
     caught = FailedTask(host="box1", task="Check each server", message="HTTP 501", unreachable=False)
     final = FailedTask(host="box1", task="Fail with the rollback", message="rolled back", unreachable=False)
@@ -251,7 +251,7 @@ CENSORED = {"censored": "the output has been hidden due to the fact that 'no_log
 
 
 def test_a_failed_loop_is_named_by_its_item_and_its_cause() -> None:
-    from controller.runner import _failure_message
+    from controller.stages.runner import _failure_message
 
     assert _failure_message(FAILED_LOOP) == ("item a.gguf: Request failed: <urlopen error [Errno 111] Connection "
                                              "refused> (and 1 more item)")
@@ -266,7 +266,7 @@ def test_a_failed_loop_is_named_by_its_item_and_its_cause() -> None:
 
 
 def test_a_failed_loop_that_handles_a_secret_stays_hidden() -> None:
-    from controller.runner import HIDDEN, _failure_message
+    from controller.stages.runner import HIDDEN, _failure_message
 
     assert _failure_message(CENSORED) == HIDDEN
     assert _failure_message({**FAILED_LOOP, "_ansible_no_log": True}) == HIDDEN
@@ -305,7 +305,7 @@ def test_a_failed_download_loop_says_which_file_and_why(tmp_path: Path) -> None:
 
 
 def test_run_folders_of_dead_controllers_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
-    from controller.runner import UNMARKED_RUN_FOLDER_AGE_S, remove_stale_run_folders
+    from controller.stages.runner import UNMARKED_RUN_FOLDER_AGE_S, remove_stale_run_folders
 
     def folder(name: str, owner: str | None, age: float = 0) -> Path:
         path = tmp_path / name

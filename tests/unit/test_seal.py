@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import yaml
 
+from controller.actions.seal import BoxSealed, changes, check_certified, check_sealable, new_keys, seal, sealed_at
 from controller.errors import FleetError, RunError, SealRefused
-from controller.fleet import API_KEY_RULE, WantedModel, load_fleet
-from controller.planner import plan_models
-from controller.runner import RunResult
-from controller.seal import BoxSealed, changes, check_certified, check_sealable, new_keys, seal, sealed_at
+from controller.model.fleet import API_KEY_RULE, WantedModel, load_fleet
+from controller.stages.planner import plan_models
+from controller.stages.runner import RunResult
 from tests.cli import invoke, run_controller
 from tests.unit.clean_errors import assert_one_line_error
 from tests.unit.planner.helpers import CPU_ONLY, catalog, profile
@@ -53,7 +53,7 @@ def _certified(inventory: Path, box: str = "box1", passed: bool = True, seal_rec
 
 @pytest.fixture
 def no_pdf(monkeypatch):
-    monkeypatch.setattr("controller.certify_report.print_pdf", lambda html, pdf, timeout=0: "no PDF: not in a unit test")
+    monkeypatch.setattr("controller.reports.certify.print_pdf", lambda html, pdf, timeout=0: "no PDF: not in a unit test")
 
 
 @pytest.fixture
@@ -72,7 +72,7 @@ def fake_run(monkeypatch, published):
         return RunResult(playbook=playbook, status="successful", rc=0, elapsed=1.0,
                          data={"box_seal": {kwargs["limit"]: published}})
 
-    monkeypatch.setattr("controller.runner.run_playbook", run)
+    monkeypatch.setattr("controller.stages.runner.run_playbook", run)
     return calls
 
 
@@ -259,7 +259,7 @@ def test_clients_says_a_sealed_box_was_handed_over_and_prints_no_key(tmp_path):
 def test_status_names_a_sealed_box_as_handed_over_without_connecting(tmp_path, monkeypatch):
     fleet_path, inventory = _sealed_inventory(tmp_path)
     runs: list[str] = []
-    monkeypatch.setattr("controller.verify.status.run_playbook", lambda playbook, **kwargs: runs.append(playbook))
+    monkeypatch.setattr("controller.stages.verify.status.run_playbook", lambda playbook, **kwargs: runs.append(playbook))
     done = invoke("status", "box1", "--fleet", str(fleet_path))
     assert runs == [] and "Permission denied" not in done.output
     assert done.stdout.strip() == ("box1: sealed at 2026-11-24T03:30:00+00:00 and handed over to its buyer: the "

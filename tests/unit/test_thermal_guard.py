@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from controller.errors import FleetError
-from controller.fleet import parse_fleet
-from controller.render import thermal_vars
+from controller.model.fleet import parse_fleet
+from controller.stages.render import thermal_vars
 from lab import standin_smi
 
 ROOT = Path(__file__).resolve().parents[2]

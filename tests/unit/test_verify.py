@@ -1,4 +1,4 @@
-"""controller.verify: run the checks on a rendered box, and the verdict from what they answered.
+"""controller.stages.verify: run the checks on a rendered box, and the verdict from what they answered.
 
 The run tests check a real CPU llama-server through playbooks/verify.yml (local connection); the verdict
 tests start from the answer such a run recorded (RECORDED) and change one thing at a time.
@@ -14,10 +14,10 @@ import pytest
 import yaml
 
 from controller.errors import RunError
-from controller.fleet import Fleet, parse_fleet
-from controller.runner import RunResult
-from controller.serveplan import ServePlan, Service
-from controller.verify import NotRendered, expects_key, results, run_verify, verdict
+from controller.model.fleet import Fleet, parse_fleet
+from controller.model.serveplan import ServePlan, Service
+from controller.stages.runner import RunResult
+from controller.stages.verify import NotRendered, expects_key, results, run_verify, verdict
 from lab import tinymodels
 from lab.llama_server import serve
 

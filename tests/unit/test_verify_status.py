@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
+from controller.actions.lock import BoxLock, LockedEngine, LockedModel, LockedService
 from controller.cli.status import human
-from controller.fleet import parse_fleet
-from controller.lock import BoxLock, LockedEngine, LockedModel, LockedService
-from controller.serveplan import Download, EnginePack, ModelFile, ServePlan, Service, ServiceMemory
-from controller.verify.status import (
+from controller.model.fleet import parse_fleet
+from controller.model.serveplan import Download, EnginePack, ModelFile, ServePlan, Service, ServiceMemory
+from controller.stages.verify.status import (
     EXIT_DRIFT,
     EXIT_OK,
     EXIT_UNHEALTHY,
@@ -183,7 +183,7 @@ def test_the_lock_is_compared_when_it_names_the_box(tmp_path):
 
 
 def test_a_driver_of_another_branch_than_planned_is_drift(tmp_path):
-    from controller.serveplan import DriverPlan
+    from controller.model.serveplan import DriverPlan
 
     the_plan = plan()
     the_plan.driver = DriverPlan(manage=True, branch=580, installs=True)

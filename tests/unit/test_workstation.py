@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.clients import NotPlanned
+from controller.actions.clients import NotPlanned
+from controller.actions.workstation import HOSTS_FILE, render_workstation, workstation_secrets, workstation_vars
 from controller.errors import FleetError
-from controller.fleet import WantedModel, load_fleet
-from controller.planner import plan_models
-from controller.render import read_rendered
-from controller.workstation import HOSTS_FILE, render_workstation, workstation_secrets, workstation_vars
+from controller.model.fleet import WantedModel, load_fleet
+from controller.stages.planner import plan_models
+from controller.stages.render import read_rendered
 from tests.cli import run_controller
 from tests.unit.clean_errors import assert_one_line_error
 from tests.unit.planner.helpers import CPU_ONLY, catalog, profile

@@ -7,11 +7,11 @@ from typing import Any
 
 import yaml
 
-from controller.catalog import Catalog
-from controller.fleet import parse_fleet
-from controller.planner import plan_box
-from controller.profile import Cpu, HardwareProfile, OsInfo
-from controller.render import host_vars
+from controller.model.catalog import Catalog
+from controller.model.fleet import parse_fleet
+from controller.model.profile import Cpu, HardwareProfile, OsInfo
+from controller.stages.planner import plan_box
+from controller.stages.render import host_vars
 
 CPU_PROFILE = HardwareProfile(cpu=Cpu(model="EPYC", cores=2, threads=4), memory_mib=8192, os=OsInfo(family="linux"))
 

@@ -22,10 +22,10 @@ from typing import Any
 
 import pytest
 
-from controller.estimate.gguf_header import read_header
-from controller.estimate.llamalog import parse_log
-from controller.estimate.memory import compute_plan, kv_plan, place_layers, resolve_settings
-from controller.estimate.model import model_spec
+from controller.stages.estimate.gguf_header import read_header
+from controller.stages.estimate.llamalog import parse_log
+from controller.stages.estimate.memory import compute_plan, kv_plan, place_layers, resolve_settings
+from controller.stages.estimate.model import model_spec
 from lab.estimate_check import CUDA_TRUTH, cuda_truth_cases, cuda_truth_estimate_args, cuda_truth_header
 from tests.cli import invoke
 

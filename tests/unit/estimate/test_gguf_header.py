@@ -12,7 +12,7 @@ import gguf
 import pytest
 
 from controller.errors import ControllerError
-from controller.estimate.gguf_header import GGUFHeaderError, read_header
+from controller.stages.estimate.gguf_header import GGUFHeaderError, read_header
 from lab.fileserver import FileServer
 from lab.tinymodels import write_model
 from tests.cli import run_controller

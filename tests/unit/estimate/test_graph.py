@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from controller.estimate import graph as graph_model
-from controller.estimate import memory
-from controller.estimate.ggml import F16, F32, Tensor, mul_mat, new_tensor, permute, reshape, view
-from controller.estimate.gguf_header import read_header
-from controller.estimate.memory import MIB, estimate, kv_plan, place_layers, resolve_settings
-from controller.estimate.model import model_spec
-from controller.estimate.sched import _Dyn
+from controller.stages.estimate import graph as graph_model
+from controller.stages.estimate import memory
+from controller.stages.estimate.ggml import F16, F32, Tensor, mul_mat, new_tensor, permute, reshape, view
+from controller.stages.estimate.gguf_header import read_header
+from controller.stages.estimate.memory import MIB, estimate, kv_plan, place_layers, resolve_settings
+from controller.stages.estimate.model import model_spec
+from controller.stages.estimate.sched import _Dyn
 from lab.tinymodels import write_model
 
 

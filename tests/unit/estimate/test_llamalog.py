@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.estimate.llamalog import context_settings, header_metadata, parse_log
-from controller.estimate.source import estimate_model
+from controller.stages.estimate.llamalog import context_settings, header_metadata, parse_log
+from controller.stages.estimate.source import estimate_model
 from lab.tinymodels import write_gguf
 
 # log -> (engine, KV MiB the engine reported); the engines the product runs (upstream, ik_llama.cpp)

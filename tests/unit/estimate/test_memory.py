@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from gguf import GGMLQuantizationType
 
-from controller.estimate.gguf_header import read_header
-from controller.estimate.memory import (
+from controller.stages.estimate.gguf_header import read_header
+from controller.stages.estimate.memory import (
     MIB,
     EstimateInputError,
     estimate,
@@ -21,7 +21,7 @@ from controller.estimate.memory import (
     row_bytes,
     weights_per_device,
 )
-from controller.estimate.model import model_spec
+from controller.stages.estimate.model import model_spec
 from lab.tinymodels import TensorSpec, write_gguf, write_model
 
 

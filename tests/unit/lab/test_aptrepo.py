@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.probe import parse_outputs
-from controller.probe.nvidia_smi import QUERY_FIELDS
+from controller.stages.probe import parse_outputs
+from controller.stages.probe.nvidia_smi import QUERY_FIELDS
 from lab import aptrepo
 
 

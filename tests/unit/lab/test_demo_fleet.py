@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.catalog import load_catalog
-from controller.fleet import load_fleet
-from controller.planner import plan_box
-from controller.profile import Cpu, HardwareProfile, OsInfo
+from controller.model.catalog import load_catalog
+from controller.model.fleet import load_fleet
+from controller.model.profile import Cpu, HardwareProfile, OsInfo
+from controller.stages.planner import plan_box
 from lab import demo
 from lab.site import PACK_NAME
 from tests.cli import invoke
@@ -88,8 +88,8 @@ def demo_machine(tmp_path, monkeypatch):
     """`controller demo` in this process with the machine faked at its edges: containers are names in a list, the
     download site is the lab's real one (its catalog and models; a stand-in engine pack, nothing runs it) and a run
     renders each box's real plan into the inventory, as provisioning does, and reports it verified."""
-    from controller import fleetrun, provision
-    from controller.runner import RunResult
+    from controller.actions import fleetrun, provision
+    from controller.stages.runner import RunResult
 
     folder = tmp_path / "demo"
     (folder / "site" / "engines").mkdir(parents=True)

@@ -5,12 +5,12 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
-from controller.catalog import Catalog, load_catalog
-from controller.fleet import WantedModel
-from controller.planner import plan_models
-from controller.probe.parse import parse_outputs, read_dir
-from controller.profile import HardwareProfile
-from controller.serveplan import ServePlan, Service
+from controller.model.catalog import Catalog, load_catalog
+from controller.model.fleet import WantedModel
+from controller.model.profile import HardwareProfile
+from controller.model.serveplan import ServePlan, Service
+from controller.stages.planner import plan_models
+from controller.stages.probe.parse import parse_outputs, read_dir
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "probe"
 SINGLE = "single-v100-16g-linux"  # one V100-SXM2-16GB, 6 cores, 31 GiB RAM

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from controller.facts import AGENT_CLIENT_CTX
-from controller.fleet import Box, WantedModel
-from controller.planner import plan_models
+from controller.model.fleet import Box, WantedModel
+from controller.model.rules import AGENT_CLIENT_CTX
+from controller.stages.planner import plan_models
 from tests.unit.planner.helpers import CPU_ONLY, SINGLE, catalog, only, profile, said
 
 GEMMA, DENSE27, GATE = "gemma4-26b-a4b-qat-q4_0", "qwen3.6-27b-q4_k_m", "qwen3-4b-instruct-2507-q8_0"

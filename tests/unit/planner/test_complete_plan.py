@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from controller.facts import DEFAULT_MODEL_DIR, TEMPLATE_DIR
-from controller.fleet import parse_fleet
-from controller.planner import plan_box
-from controller.render import host_vars
+from controller.model.fleet import parse_fleet
+from controller.model.rules import DEFAULT_MODEL_DIR, TEMPLATE_DIR
+from controller.stages.planner import plan_box
+from controller.stages.render import host_vars
 from tests.unit.planner.helpers import DUAL, SINGLE, TWELVE, catalog, plan, profile
 
 GEMMA, Q6K, DENSE = "gemma4-26b-a4b-qat-q4_0", "qwen3.6-35b-a3b-q6_k", "qwen3.6-27b-q4_k_m"

@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from controller.catalog import load_catalog
 from controller.errors import DraftError
-from controller.estimate.gguf_header import read_header
-from controller.fleet import WantedModel, load_fleet
-from controller.planner import plan_models
-from controller.planner.draft import incompatibilities, vocab_from_entry, vocab_from_header
-from controller.profile import Gpu, HardwareProfile
+from controller.model.catalog import load_catalog
+from controller.model.fleet import WantedModel, load_fleet
+from controller.model.profile import Gpu, HardwareProfile
+from controller.stages.estimate.gguf_header import read_header
+from controller.stages.planner import plan_models
+from controller.stages.planner.draft import incompatibilities, vocab_from_entry, vocab_from_header
 from lab.tinymodels import write_model
 from tests.unit.planner.helpers import DUAL, SINGLE, catalog, flag, profile
 
@@ -211,9 +211,9 @@ def test_estimate_command_adds_the_draft_block_and_counts_it(tmp_path):
 
 
 def test_render_hands_both_files_to_gguf_model_and_the_draft_flags_to_the_service(tmp_path):
-    from controller.fleet import parse_fleet
-    from controller.planner import plan_box
-    from controller.render import host_vars
+    from controller.model.fleet import parse_fleet
+    from controller.stages.planner import plan_box
+    from controller.stages.render import host_vars
     from tests.unit.tiny_box import CPU_PROFILE
 
     pins = tmp_path / "pins.yml"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from controller.planner.placement import HOST_RESERVE_MIB
+from controller.stages.planner.placement import HOST_RESERVE_MIB
 from tests.unit.planner.helpers import SINGLE, catalog, only, plan, profile
 
 GRAPH_MODEL = "qwen3-4b-instruct-2507-q8_0"  # qwen3: its graph is mirrored, compute buffers as the engine sizes them

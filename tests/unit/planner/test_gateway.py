@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.catalog import load_catalog
 from controller.errors import FleetError, PlanError
-from controller.fleet import parse_fleet
-from controller.planner import plan_box
-from controller.planner.gateway import BUFFER_MIN, plan_gateway
-from controller.render import host_vars, secrets_for
+from controller.model.catalog import load_catalog
+from controller.model.fleet import parse_fleet
+from controller.stages.planner import plan_box
+from controller.stages.planner.gateway import BUFFER_MIN, plan_gateway
+from controller.stages.render import host_vars, secrets_for
 from tests.unit.tiny_box import CPU_PROFILE, tiny_catalog_file
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -14,17 +14,17 @@ import jinja2
 import pytest
 import yaml
 
-from controller import facts
-from controller.catalog import Catalog, load_catalog
+from controller.actions.provision import box_and_catalog
 from controller.errors import CatalogError, PlanError
-from controller.fleet import Box, WantedModel, parse_fleet
-from controller.planner import plan_box, plan_models
-from controller.planner.sources import plan_driver
-from controller.probe.parse import parse_outputs
-from controller.profile import Gpu, HardwareProfile
-from controller.provision import box_and_catalog
-from controller.render import host_vars
-from controller.serveplan import ServePlan
+from controller.model import rules
+from controller.model.catalog import Catalog, load_catalog
+from controller.model.fleet import Box, WantedModel, parse_fleet
+from controller.model.profile import Gpu, HardwareProfile
+from controller.model.serveplan import ServePlan
+from controller.stages.planner import plan_box, plan_models
+from controller.stages.planner.sources import plan_driver
+from controller.stages.probe.parse import parse_outputs
+from controller.stages.render import host_vars
 from tests.unit.clean_errors import assert_one_line_error
 from tests.unit.planner.helpers import SINGLE, catalog, profile
 from tests.unit.probe.helpers import machine, real_text
@@ -65,22 +65,22 @@ def _assert_every_card_runs_its_engine(plan: ServePlan, hardware: HardwareProfil
     for service in plan.services:
         built = cat.engine(service.engine).cuda_archs
         for index in service.gpus:
-            assert facts.build_runs_on(built, archs[index]), (service.engine, built, index, archs[index])
-            if archs[index] == facts.VOLTA_ARCH:
-                assert facts.VOLTA_ARCH in built  # a V100 is never given an engine without sm_70
+            assert rules.build_runs_on(built, archs[index]), (service.engine, built, index, archs[index])
+            if archs[index] == rules.VOLTA_ARCH:
+                assert rules.VOLTA_ARCH in built  # a V100 is never given an engine without sm_70
 
 
 # ---------------------------------------------------------------- facts and the catalog field
 
 
 def test_a_build_runs_on_its_own_major_at_the_same_or_a_higher_minor():
-    assert facts.build_runs_on([70], 70) and facts.build_runs_on([70], 75)
-    assert not facts.build_runs_on([70], 86) and not facts.build_runs_on([86], 70)
-    assert facts.build_runs_on([80], 86) and not facts.build_runs_on([86], 80)
-    assert facts.build_runs_on([70, 86], 86) and not facts.build_runs_on([70, 86], None)
-    assert (facts.cuda_arch("8.6"), facts.cuda_arch("12.0"), facts.cuda_arch("x"), facts.cuda_arch(None)) == (
+    assert rules.build_runs_on([70], 70) and rules.build_runs_on([70], 75)
+    assert not rules.build_runs_on([70], 86) and not rules.build_runs_on([86], 70)
+    assert rules.build_runs_on([80], 86) and not rules.build_runs_on([86], 80)
+    assert rules.build_runs_on([70, 86], 86) and not rules.build_runs_on([70, 86], None)
+    assert (rules.cuda_arch("8.6"), rules.cuda_arch("12.0"), rules.cuda_arch("x"), rules.cuda_arch(None)) == (
         86, 120, None, None)
-    assert facts.arch_label(86) == "sm_86 (Ampere)" and facts.arch_label(70) == "sm_70 (Volta)"
+    assert rules.arch_label(86) == "sm_86 (Ampere)" and rules.arch_label(70) == "sm_70 (Volta)"
 
 
 def test_the_builtin_packs_are_sm70_only_and_the_cpu_build_has_none():
@@ -281,12 +281,12 @@ def test_a_fleet_may_name_the_engine_and_let_a_model_mix_cards(tmp_path):
 
 def test_the_driver_window_covers_the_3090s_beside_the_v100s():
     driver = plan_driver(Box(name="b", address="192.0.2.1"), profile(EPYC), catalog())
-    assert driver.installs and driver.branch == facts.DRIVER_DEFAULT_BRANCH
+    assert driver.installs and driver.branch == rules.DRIVER_DEFAULT_BRANCH
     (covered,) = [reason for reason in driver.reasons if reason.startswith("every card checked")]
-    assert f"R{facts.DRIVER_DEFAULT_BRANCH} drives sm_86 (Ampere): GPUs 0,1,2,3, sm_70 (Volta): GPUs 4,5" in covered
-    assert f"nothing newer than R{facts.DRIVER_BRANCHES[-1]}" in covered
+    assert f"R{rules.DRIVER_DEFAULT_BRANCH} drives sm_86 (Ampere): GPUs 0,1,2,3, sm_70 (Volta): GPUs 4,5" in covered
+    assert f"nothing newer than R{rules.DRIVER_BRANCHES[-1]}" in covered
     windows = plan_driver(Box(name="w", address="192.0.2.2", os="windows"), profile(EPYC), catalog())
-    assert any(f"R{facts.DRIVER_BRANCHES[0]} drives sm_86" in reason for reason in windows.reasons)
+    assert any(f"R{rules.DRIVER_BRANCHES[0]} drives sm_86" in reason for reason in windows.reasons)
 
 
 def test_a_card_the_branch_cannot_drive_is_named_and_left_idle():
@@ -304,10 +304,10 @@ def test_a_box_with_only_newer_cards_is_not_bound_by_voltas_window():
     driver = plan_driver(Box(name="b", address="192.0.2.1"), only_3090s, catalog())
     assert not driver.installs
     assert driver.reasons == [f"no V100 among the probed GPUs: the driver role leaves the box alone (sm_86 (Ampere): "
-                              f"GPUs 0,1,2,3); Volta's {facts.DRIVER_WINDOW} window does not bind it, so its owner may "
+                              f"GPUs 0,1,2,3); Volta's {rules.DRIVER_WINDOW} window does not bind it, so its owner may "
                               f"run any branch that drives these cards and the engine packs' CUDA builds"]
-    assert facts.branch_problem(86, 595) is None and facts.branch_problem(70, 595) is not None
-    assert facts.branch_problem(None, 580) is not None and facts.branch_problem(130, 580) is not None
+    assert rules.branch_problem(86, 595) is None and rules.branch_problem(70, 595) is not None
+    assert rules.branch_problem(None, 580) is not None and rules.branch_problem(130, 580) is not None
 
 
 # ---------------------------------------------------------------- the source build targets the plan's archs

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from controller.catalog import load_catalog
-from controller.planner.fit import FIT_MARGIN_MIB, RESIDENT_MARGIN_MIB
-from controller.profile import Cpu, Gpu, HardwareProfile, NvLink, OsInfo
+from controller.model.catalog import load_catalog
+from controller.model.profile import Cpu, Gpu, HardwareProfile, NvLink, OsInfo
+from controller.stages.planner.fit import FIT_MARGIN_MIB, RESIDENT_MARGIN_MIB
 from tests.unit.planner.helpers import CPU_ONLY, DUAL, SINGLE, TWELVE, catalog, flag, only, plan, profile, said
 
 GEMMA, IQ4, Q6K = "gemma4-26b-a4b-qat-q4_0", "qwen3.6-35b-a3b-iq4_xs", "qwen3.6-35b-a3b-q6_k"

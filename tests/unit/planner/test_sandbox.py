@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from controller.catalog import load_catalog
-from controller.fleet import parse_fleet
-from controller.planner import plan_box
-from controller.planner.sandbox import deny_write_execute, device_minors
-from controller.profile import Gpu, OsInfo
-from controller.render import host_vars
+from controller.model.catalog import load_catalog
+from controller.model.fleet import parse_fleet
+from controller.model.profile import Gpu, OsInfo
+from controller.stages.planner import plan_box
+from controller.stages.planner.sandbox import deny_write_execute, device_minors
+from controller.stages.render import host_vars
 from tests.unit.planner.helpers import CPU_ONLY, DUAL, SINGLE, TWELVE, only, plan, profile
 
 GEMMA, Q6K, BIG122 = "gemma4-26b-a4b-qat-q4_0", "qwen3.6-35b-a3b-q6_k", "qwen3.5-122b-a10b-q8_0"

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from controller.catalog import load_catalog
 from controller.errors import CatalogError
-from controller.estimate.gguf_header import read_header
-from controller.estimate.memory import estimate, resolve_settings
-from controller.estimate.model import is_expert_tensor, model_spec
-from controller.planner.specs import SizedMemory, SpecMemory, memory_model, spec_from_hparams
+from controller.model.catalog import load_catalog
+from controller.stages.estimate.gguf_header import read_header
+from controller.stages.estimate.memory import estimate, resolve_settings
+from controller.stages.estimate.model import is_expert_tensor, model_spec
+from controller.stages.planner.specs import SizedMemory, SpecMemory, memory_model, spec_from_hparams
 from lab.tinymodels import write_model
 from tests.unit.planner.helpers import catalog
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from controller.planner.topology import GpuPool
-from controller.profile import Gpu, HardwareProfile, NvLink
+from controller.model.profile import Gpu, HardwareProfile, NvLink
+from controller.stages.planner.topology import GpuPool
 from tests.unit.planner.helpers import DUAL, TWELVE, profile
 
 

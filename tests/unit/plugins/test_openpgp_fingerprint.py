@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from controller import facts
+from controller.model import rules
 from tests.unit.windows.ansible_local import run_playbook
 
 PROJECT = Path(__file__).resolve().parents[3]
@@ -117,7 +117,7 @@ def test_a_mirror_key_without_a_fingerprint_is_refused_before_anything_changes(t
             "vars": {
                 "nvidia_driver_gpus": [{"index": 0, "name": "Tesla V100-PCIE-32GB", "pci_bus_id": "0000:04:00.0",
                                         "is_v100": True}],
-                "nvidia_driver_window": facts.driver_window(),
+                "nvidia_driver_window": rules.driver_window(),
                 "nvidia_driver_repo_url": "http://mirror.test/cuda/",
                 "nvidia_driver_repo_key_url": "http://mirror.test/cuda/key.asc",
             },

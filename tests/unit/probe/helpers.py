@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from controller.probe import parse_outputs, read_dir
-from controller.profile import HardwareProfile
+from controller.model.profile import HardwareProfile
+from controller.stages.probe import parse_outputs, read_dir
 
 WRITTEN = Path(__file__).resolve().parents[2] / "fixtures" / "probe"
 

@@ -10,7 +10,7 @@ import threading
 import types
 from pathlib import Path
 
-from controller.probe import parse_outputs
+from controller.stages.probe import parse_outputs
 from tests.cli import invoke, run_controller
 from tests.unit.clean_errors import assert_one_line_error
 from tests.unit.probe.helpers import WRITTEN, machine
@@ -100,7 +100,7 @@ def test_live_probe_path_prints_the_same_as_from_dir(tmp_path: Path, monkeypatch
         outputs = machine("single-v100-16g-linux")
         return parse_outputs(outputs), outputs, 0.2
 
-    monkeypatch.setitem(sys.modules, "controller.probe.collect",
+    monkeypatch.setitem(sys.modules, "controller.stages.probe.collect",
                         types.SimpleNamespace(probe_box=probe_box))
     folder = tmp_path / "captured"
     shutil.copytree(WRITTEN / "single-v100-16g-linux", folder)

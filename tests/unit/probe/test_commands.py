@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.probe import (
+from controller.stages.probe import (
     LINUX_PROBE_COMMANDS,
     PROBE_FILES,
     group_names,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from controller.probe import group_names, parse_outputs
-from controller.profile import Gpu, HardwareProfile, OsInfo
+from controller.model.profile import Gpu, HardwareProfile, OsInfo
+from controller.stages.probe import group_names, parse_outputs
 from tests.unit.probe.helpers import machine, real_text
 
 

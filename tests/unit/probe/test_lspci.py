@@ -1,8 +1,8 @@
 """A box with V100s but no driver: the PCI bus still shows the cards, and the plan can use them."""
 
-from controller.probe.lspci import parse_lspci
-from controller.probe.parse import parse_outputs
-from controller.probe.text import Warnings
+from controller.stages.probe.lspci import parse_lspci
+from controller.stages.probe.parse import parse_outputs
+from controller.stages.probe.text import Warnings
 
 WITH_NAMES = """\
 0000:3b:00.0 3D controller [0302]: NVIDIA Corporation GV100GL [Tesla V100 PCIe 32GB] [10de:1db6] (rev a1)

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from controller.errors import ProbeError
-from controller.probe import PROBE_FILES, parse_outputs, read_dir
-from controller.probe.driver import driver_window_problem
+from controller.stages.probe import PROBE_FILES, parse_outputs, read_dir
+from controller.stages.probe.driver import driver_window_problem
 from tests.unit.probe.helpers import WRITTEN, machine, real_text
 
 MODELS = "/var/lib/llama/models"
@@ -253,7 +253,7 @@ def test_a_parser_that_breaks_costs_only_its_own_file(monkeypatch) -> None:
     def broken(text, warnings, file):
         raise ValueError("boom")
 
-    monkeypatch.setattr("controller.probe.parse.parse_topo", broken)
+    monkeypatch.setattr("controller.stages.probe.parse.parse_topo", broken)
     profile = parse_outputs(machine("twelve-v100-threadripper"))
     assert len(profile.gpus) == 12 and profile.cpu.cores == 32
     assert profile.warnings[0] == "nvidia-smi-topo.txt: could not be parsed (ValueError: boom); ignored"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.probe import LINUX_PROBE_COMMANDS, PROBE_FILES, parse_outputs, read_dir
+from controller.stages.probe import LINUX_PROBE_COMMANDS, PROBE_FILES, parse_outputs, read_dir
 from tests.unit.probe.helpers import machine, warnings_about
 
 Q = "nvidia-smi-q.txt"

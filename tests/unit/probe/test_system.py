@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from controller.probe import parse_outputs
+from controller.stages.probe import parse_outputs
 from tests.unit.probe.helpers import machine
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from controller.probe import parse_outputs
-from controller.probe.topo import boards
+from controller.stages.probe import parse_outputs
+from controller.stages.probe.topo import boards
 from tests.unit.probe.helpers import machine, real_text, warnings_about
 
 TOPO = "nvidia-smi-topo.txt"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from controller.probe import WINDOWS_CIM_QUERY, WINDOWS_PROBE_COMMANDS, parse_outputs
+from controller.stages.probe import WINDOWS_CIM_QUERY, WINDOWS_PROBE_COMMANDS, parse_outputs
 from tests.unit.probe.helpers import machine
 
 CIM = "windows-cim.json"

@@ -9,7 +9,7 @@ import paramiko
 import pytest
 
 from controller.errors import FleetError
-from controller.transports.known_hosts import entry_name, lookup, parse_public_key, record
+from controller.stages.transports.known_hosts import entry_name, lookup, parse_public_key, record
 
 
 def keypair(folder: Path, name: str) -> paramiko.PKey:

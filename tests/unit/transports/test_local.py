@@ -3,9 +3,9 @@ import os
 import pytest
 
 from controller.errors import TransportError
-from controller.fleet import Box
-from controller.probe.collect import probe_box
-from controller.transports import open_transport
+from controller.model.fleet import Box
+from controller.stages.probe.collect import probe_box
+from controller.stages.transports import open_transport
 
 LOCAL = Box(name="here", address="127.0.0.1", transport="local", model_dir="/nonexistent/models")
 

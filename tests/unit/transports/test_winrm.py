@@ -23,11 +23,16 @@ import yaml
 from winrm import transport as pywinrm_transport
 
 from controller.errors import FleetError, TransportError
-from controller.fleet import Box, load_fleet
-from controller.probe import WINDOWS_PROBE_COMMANDS, parse_outputs, read_dir
-from controller.probe.collect import probe_box
-from controller.probe.windows_collect import windows_probe_script, windows_probe_sections
-from controller.transports.winrm import COMMAND_LINE_LIMIT, WinRmTransport, powershell_command_line, readable_stderr
+from controller.model.fleet import Box, load_fleet
+from controller.stages.probe import WINDOWS_PROBE_COMMANDS, parse_outputs, read_dir
+from controller.stages.probe.collect import probe_box
+from controller.stages.probe.windows_collect import windows_probe_script, windows_probe_sections
+from controller.stages.transports.winrm import (
+    COMMAND_LINE_LIMIT,
+    WinRmTransport,
+    powershell_command_line,
+    readable_stderr,
+)
 from tests.cli import run_controller
 from tests.unit.transports.wsman_server import StandInWindows, TlsFiles, WsmanServer, self_signed_certificate
 

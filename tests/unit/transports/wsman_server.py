@@ -39,8 +39,8 @@ from spnego import server as spnego_server
 from spnego.channel_bindings import GssChannelBindings
 from spnego.exceptions import SpnegoError
 
-from controller.probe.commands import OUTPUT_MARKER
-from controller.probe.windows_collect import SECTION_FUNCTION
+from controller.stages.probe.commands import OUTPUT_MARKER
+from controller.stages.probe.windows_collect import SECTION_FUNCTION
 
 NS = {
     "s": "http://www.w3.org/2003/05/soap-envelope",

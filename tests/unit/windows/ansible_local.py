@@ -14,18 +14,18 @@ from pathlib import Path
 
 import yaml
 
-from controller import facts
+from controller.model import rules
 
 PROJECT = Path(__file__).resolve().parents[3]
 ROLES = PROJECT / "roles"
 ROLE_NAMES = ("nvidia_driver", "llama_engine", "gguf_model", "llama_service", "thermal_guard", "llama_verify")
 MERGED_ROLES = [ROLES / name for name in ROLE_NAMES]
 
-# What render passes a Windows box for the facts the controller owns (controller/facts.py).
+# What render passes a Windows box for the facts the controller owns (controller/model/rules.py).
 WINDOWS_FACTS = {
-    "nvidia_driver_window": facts.driver_window(),
-    "gguf_model_dir": facts.DEFAULT_MODEL_DIR["windows"],
-    "llama_service_template_dir": facts.TEMPLATE_DIR["windows"],
+    "nvidia_driver_window": rules.driver_window(),
+    "gguf_model_dir": rules.DEFAULT_MODEL_DIR["windows"],
+    "llama_service_template_dir": rules.TEMPLATE_DIR["windows"],
 }
 
 LOOK_LIKE_WINDOWS = {

@@ -8,10 +8,10 @@ import xml.etree.ElementTree as ET
 import pytest
 import yaml
 
-from controller.catalog import load_catalog
-from controller.fleet import parse_fleet
-from controller.planner import plan_box
-from controller.render import render_box
+from controller.model.catalog import load_catalog
+from controller.model.fleet import parse_fleet
+from controller.stages.planner import plan_box
+from controller.stages.render import render_box
 from tests.unit.planner.helpers import DUAL, profile
 from tests.unit.windows.ansible_local import MERGED_ROLES, ROLES, run_playbook
 from tests.unit.windows.cmdline import split

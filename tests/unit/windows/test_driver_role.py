@@ -4,14 +4,14 @@ import json
 
 import pytest
 
-from controller import facts
+from controller.model import rules
 from tests.unit.windows.ansible_local import WINDOWS_FACTS, run_playbook
 
 # Each module runs ansible-playbook on localhost: seconds per run.
 pytestmark = pytest.mark.slow
 
 PLAY = [{"name": "Driver", "hosts": "localhost", "gather_facts": False, "roles": [{"role": "nvidia_driver"}]}]
-INSTALLER = {"version": facts.WINDOWS_DRIVER, "url": "https://downloads.example/driver.exe", "sha256": "ab" * 32}
+INSTALLER = {"version": rules.WINDOWS_DRIVER, "url": "https://downloads.example/driver.exe", "sha256": "ab" * 32}
 BASE = {"nvidia_driver_window": WINDOWS_FACTS["nvidia_driver_window"], "nvidia_driver_installer": INSTALLER}
 
 
@@ -29,7 +29,7 @@ def test_box_without_a_v100_is_skipped_with_a_message(tmp_path):
 
 
 def test_the_v100_decision_is_the_controllers(tmp_path):
-    # A name that says V100 is not enough: the role follows is_v100, which controller.facts decided.
+    # A name that says V100 is not enough: the role follows is_v100, which controller.model.rules decided.
     gpus = [{"index": 0, "name": "Tesla V100-SXM2-16GB", "pci_bus_id": "00000000:01:00.0", "is_v100": False}]
     result = run_playbook(tmp_path, PLAY, {**BASE, "nvidia_driver_gpus": gpus}, json_output=True)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -44,7 +44,7 @@ def test_driver_outside_the_window_is_refused_before_anything_runs(tmp_path):
         result = run_playbook(tmp_path, PLAY, extra)
         assert result.returncode != 0
         assert f"nvidia_driver_installer.version is '{version}'" in result.stdout
-        assert f"in the {facts.DRIVER_WINDOW} window" in result.stdout
+        assert f"in the {rules.DRIVER_WINDOW} window" in result.stdout
 
 
 def test_the_window_comes_from_the_inventory(tmp_path):
