@@ -30,7 +30,7 @@ from lab.fileserver import FileServer
 
 
 def load_module() -> Any:
-    spec = importlib.util.spec_from_file_location("gguf_download", REPO / "plugins/modules/gguf_download.py")
+    spec = importlib.util.spec_from_file_location("gguf_download", REPO / "ansible_collections/v100box/llm/plugins/modules/gguf_download.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module

@@ -68,7 +68,7 @@ def render_config(folder: Path, variables: dict, template: Path | None = None) -
     role's current defaults and variables.
     """
     folder.mkdir(parents=True, exist_ok=True)
-    role = ROOT / "roles" / "llm_gateway"
+    role = ROOT / "ansible_collections/v100box/llm/roles" / "llm_gateway"
     (folder / "play.yml").write_text(_PLAYBOOK.format(role=role, out=folder,
                                                       template=template or role / "templates" / "haproxy.cfg.j2"))
     (folder / "vars.json").write_text(json.dumps({**variables, "_llm_gateway_dir": str(folder),

@@ -75,7 +75,7 @@ from controller.model.profile import HardwareProfile
 from controller.model.serveplan import ServePlan
 
 LOCK_VERSION = 1
-TEMPLATE_FILES = Path(__file__).resolve().parents[2] / "roles" / "llama_service" / "files" / "chat-templates"
+TEMPLATE_FILES = Path(__file__).resolve().parents[2] / "ansible_collections/v100box/llm/roles" / "llama_service" / "files" / "chat-templates"
 # The fields of a fleet box that change what is installed on it; the others say how to reach it, or (mirror) where
 # the bytes come from, which the checksums pin.
 DEFINITION_FIELDS = ("os", "models", "agents", "model_dir", "bind", "allow_from", "base_port", "driver",

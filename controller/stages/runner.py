@@ -43,7 +43,7 @@ from controller.files import inventory_lock, run_lock_path
 from controller.stages.transports.known_hosts import forget_command, known_hosts_file
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-PLAYBOOKS = PROJECT_ROOT / "playbooks"
+PLAYBOOKS = PROJECT_ROOT / "ansible_collections/v100box/llm/playbooks"
 GUARD = Path(__file__).resolve().parent / "playbook_guard.py"
 RUN_FOLDER_PREFIX = "v100box-run-"
 UNMARKED_RUN_FOLDER_AGE_S = 3600  # a run folder without its owner's mark: an older controller's, or just begun
@@ -367,11 +367,9 @@ def base_env() -> dict[str, str]:
     return {
         "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "/usr/bin:/bin")]),
         "ANSIBLE_CONFIG": str(PROJECT_ROOT / "ansible.cfg"),
-        "ANSIBLE_ROLES_PATH": str(PROJECT_ROOT / "roles"),
-        # The Windows twins of the modules (same names, .ps1) come second, so a POSIX host always gets the .py.
-        "ANSIBLE_LIBRARY": os.pathsep.join(str(PROJECT_ROOT / "plugins" / folder)
-                                           for folder in ("modules", "windows_modules")),
-        "ANSIBLE_FILTER_PLUGINS": str(PROJECT_ROOT / "plugins" / "filter"),
+        "ANSIBLE_ROLES_PATH": str(PROJECT_ROOT / "ansible_collections/v100box/llm/roles"),
+        "ANSIBLE_LIBRARY": str(PROJECT_ROOT / "ansible_collections/v100box/llm/plugins" / "modules"),
+        "ANSIBLE_FILTER_PLUGINS": str(PROJECT_ROOT / "ansible_collections/v100box/llm/plugins" / "filter"),
         "ANSIBLE_NOCOLOR": "1",
         # Reruns reuse a box's facts (OS family, package manager) for a day instead of gathering them
         # again; the cache is <inventory>/facts (run_playbook passes it as fact_cache).

@@ -24,8 +24,8 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-GUARD_SCRIPT = ROOT / "roles" / "thermal_guard" / "files" / "thermal_guard.py"
-MODULES = ROOT / "plugins" / "modules"
+GUARD_SCRIPT = ROOT / "ansible_collections/v100box/llm/roles" / "thermal_guard" / "files" / "thermal_guard.py"
+MODULES = ROOT / "ansible_collections/v100box/llm/plugins" / "modules"
 PROBE_FOLDER = "probe"
 DEV_NODES = "dev-nodes.txt"
 DEV_NODES_COMMAND = "ls -la /dev/nvidia*"
@@ -48,7 +48,7 @@ def _loaded(name: str, path: Path) -> tuple[ModuleType | None, str | None]:
 
 
 def _role_var(role: str, name: str) -> Any:
-    return yaml.safe_load((ROOT / "roles" / role / "vars" / "main.yml").read_text())[name]
+    return yaml.safe_load((ROOT / "ansible_collections/v100box/llm/roles" / role / "vars" / "main.yml").read_text())[name]
 
 
 @dataclass

@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-ROLE = ROOT / "roles" / "llama_service"
+ROLE = ROOT / "ansible_collections/v100box/llm/roles" / "llama_service"
 
 _PLAYBOOK = """
 - hosts: localhost
@@ -78,7 +78,7 @@ def render_unit(gpus: Sequence[Mapping[str, object]], *, nccl: bool = False, tim
             "llama_service_template_dir": rules.TEMPLATE_DIR["linux"],
             "ansible_python_interpreter": sys.executable,
         }))
-        env = {**os.environ, "ANSIBLE_FILTER_PLUGINS": str(ROOT / "plugins" / "filter"), "ANSIBLE_NOCOLOR": "1",
+        env = {**os.environ, "ANSIBLE_FILTER_PLUGINS": str(ROOT / "ansible_collections/v100box/llm/plugins" / "filter"), "ANSIBLE_NOCOLOR": "1",
                "ANSIBLE_LOCAL_TEMP": str(Path(tmp) / "ansible-tmp"), "ANSIBLE_HOME": str(Path(tmp) / "ansible-home")}
         done = subprocess.run([playbook_bin, str(playbook), "-e", f"@{extra}"], env=env, capture_output=True,
                               text=True, timeout=timeout, check=False)

@@ -99,7 +99,7 @@ def test_three_boxes_at_once_one_failing_one_unreachable_then_converged_and_plai
                                                              for name, key in keys.items()}}}))
         env = {key: value for key, value in os.environ.items() if not key.startswith("ANSIBLE_")}
         plain = subprocess.run([str(REPO / ".venv" / "bin" / "ansible-playbook"), "-i", str(inventory / "hosts.yml"),
-                                "-i", str(secrets), "playbooks/site.yml", "--limit", "labs"],
+                                "-i", str(secrets), "ansible_collections/v100box/llm/playbooks/site.yml", "--limit", "labs"],
                                cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
         assert plain.returncode == 0, plain.stdout[-4000:] + plain.stderr[-2000:]
         recap = plain.stdout.split("PLAY RECAP")[-1]

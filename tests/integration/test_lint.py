@@ -31,7 +31,7 @@ def test_ansible_lint_production_profile():
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
 
 
-@pytest.mark.parametrize("playbook", sorted(path.name for path in (ROOT / "playbooks").glob("*.yml")))
+@pytest.mark.parametrize("playbook", sorted(path.name for path in (ROOT / "ansible_collections/v100box/llm/playbooks").glob("*.yml")))
 def test_playbook_syntax(playbook):
-    done = run(str(BIN / "ansible-playbook"), "--syntax-check", "-i", "localhost,", f"playbooks/{playbook}")
+    done = run(str(BIN / "ansible-playbook"), "--syntax-check", "-i", "localhost,", f"ansible_collections/v100box/llm/playbooks/{playbook}")
     assert done.returncode == 0, done.stdout + done.stderr

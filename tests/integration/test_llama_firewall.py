@@ -107,7 +107,7 @@ def _converge(name: str, tmp_path: Path, *, check_mode: bool = False, **variable
     playbook.write_text(PLAYBOOK)
     extra = tmp_path / "vars.yml"
     extra.write_text(yaml.safe_dump(variables))
-    env = {**os.environ, "ANSIBLE_ROLES_PATH": str(ROOT / "roles"), "ANSIBLE_NOCOLOR": "1",
+    env = {**os.environ, "ANSIBLE_ROLES_PATH": str(ROOT / "ansible_collections/v100box/llm/roles"), "ANSIBLE_NOCOLOR": "1",
            "ANSIBLE_HOST_KEY_CHECKING": "False"}
     done = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inventory), str(playbook),
                            "-e", f"@{extra}", *(["--check"] if check_mode else [])], env=env, capture_output=True, text=True, check=False, timeout=300)
@@ -273,7 +273,7 @@ def _firewalld_openings(allow_from: list[str], servers: list[tuple[str, int]]) -
     """The role's firewalld openings for these networks and (host, port) servers, as Ansible computes them."""
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch)
-        role = ROOT / "roles" / "llama_service"
+        role = ROOT / "ansible_collections/v100box/llm/roles" / "llama_service"
         (out / "show.yml").write_text(
             "- hosts: localhost\n  connection: local\n  gather_facts: false\n  tasks:\n"
             "    - ansible.builtin.copy:\n        content: '{{ _llama_service_firewalld_openings | to_json }}'\n"

@@ -48,7 +48,7 @@ MODELS = (LabModel("tiny-gw-a", "tiny-gw-a-q8_0.gguf", "llama", n_ctx_train=6553
 CTX = 32768  # Claude Code's system prompt and tools are ~15k tokens
 
 controller = partial(run_controller, timeout=900)
-DEFAULTS = yaml.safe_load((Path(__file__).resolve().parents[2] / "roles/llm_gateway/defaults/main.yml").read_text())
+DEFAULTS = yaml.safe_load((Path(__file__).resolve().parents[2] / "ansible_collections/v100box/llm/roles/llm_gateway/defaults/main.yml").read_text())
 
 
 @pytest.fixture(scope="module")

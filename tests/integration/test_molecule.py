@@ -118,7 +118,7 @@ def scenario_env(lab_site, target_image):
 def test_molecule_scenario(role, scenario, scenario_env):
     port = _free_port_pair()
     env = {**scenario_env, "V100BOX_TEST_PORT": str(port), "V100BOX_MOLECULE_ID": f"{role}-{scenario}-{port}"}
-    done = subprocess.run(["molecule", "test", "--scenario-name", scenario], cwd=ROOT / "roles" / role, env=env,
+    done = subprocess.run(["molecule", "test", "--scenario-name", scenario], cwd=ROOT / "ansible_collections/v100box/llm/roles" / role, env=env,
                           capture_output=True, text=True, timeout=1200, check=False)
     output = done.stdout + done.stderr
     failures = [line for line in output.splitlines() if line.startswith(("fatal:", "failed:", "ERROR!", "[ERROR]"))

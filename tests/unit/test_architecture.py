@@ -29,5 +29,5 @@ def test_every_package_folder_has_a_home_in_the_architecture():
     assert folders, "no package folders found"
     unnamed = [folder for folder in folders if f"`{folder}" not in text]
     assert not unnamed, f"ARCHITECTURE.md does not say what these are for: {unnamed}"
-    roles = sorted(path.name for path in (PROJECT / "roles").iterdir() if path.is_dir())
+    roles = sorted(path.name for path in (PROJECT / "ansible_collections/v100box/llm/roles").iterdir() if path.is_dir())
     assert [role for role in roles if f"`{role}`" not in text] == []

@@ -254,7 +254,7 @@ def test_the_filter_plugin_finds_the_controller_from_a_checkout_that_is_not_inst
             raise SystemExit("controller is still importable: " + controller.__file__)
         except ImportError:
             pass
-        spec = importlib.util.spec_from_file_location("v100box", {str(REPO / "plugins/filter/v100box.py")!r})
+        spec = importlib.util.spec_from_file_location("v100box", {str(REPO / "ansible_collections/v100box/llm/plugins/filter/v100box.py")!r})
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         print(sorted(module.FilterModule().filters()))

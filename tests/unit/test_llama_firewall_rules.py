@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-ROLE = ROOT / "roles" / "llama_service"
+ROLE = ROOT / "ansible_collections/v100box/llm/roles" / "llama_service"
 PLAYBOOK = """
 - hosts: localhost
   connection: local

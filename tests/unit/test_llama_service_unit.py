@@ -19,7 +19,7 @@ import yaml
 from controller.model import rules
 
 ROOT = Path(__file__).resolve().parents[2]
-ROLE = ROOT / "roles" / "llama_service"
+ROLE = ROOT / "ansible_collections/v100box/llm/roles" / "llama_service"
 THRESHOLD = 2.0
 PLAYBOOK = """
 - hosts: localhost
@@ -93,7 +93,7 @@ def units(tmp_path_factory) -> dict[str, Path]:
         "llama_service_template_dir": rules.TEMPLATE_DIR["linux"],
         "ansible_python_interpreter": sys.executable,
     }))
-    env = {**os.environ, "ANSIBLE_FILTER_PLUGINS": str(ROOT / "plugins/filter"), "ANSIBLE_NOCOLOR": "1"}
+    env = {**os.environ, "ANSIBLE_FILTER_PLUGINS": str(ROOT / "ansible_collections/v100box/llm/plugins/filter"), "ANSIBLE_NOCOLOR": "1"}
     done = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), str(playbook), "-e", f"@{extra}"],
                           env=env, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]

@@ -12,7 +12,7 @@ from controller.model import rules
 ROOT = Path(__file__).resolve().parents[2]
 ROLE_NAMES = ["agent_clients", "box_seal", "gguf_model", "lan_cache", "llama_engine", "llama_service", "llama_verify",
               "llm_gateway", "nvidia_driver", "thermal_guard"]
-ROLES = [ROOT / "roles" / name for name in ROLE_NAMES]
+ROLES = [ROOT / "ansible_collections/v100box/llm/roles" / name for name in ROLE_NAMES]
 # Roles with no Windows side: the planner refuses them on a Windows box and main.yml says so. llm_gateway's
 # HAProxy has no Windows build; it runs end to end in tests/integration/test_llm_gateway.py instead of molecule.
 # agent_clients writes per-account launch scripts on Linux (a Windows box's come from llama_service); it runs end
@@ -36,7 +36,7 @@ def _options(role: Path) -> dict:
 
 
 def test_one_role_per_concern():
-    assert sorted(path.name for path in (ROOT / "roles").iterdir() if path.is_dir()) == ROLE_NAMES
+    assert sorted(path.name for path in (ROOT / "ansible_collections/v100box/llm/roles").iterdir() if path.is_dir()) == ROLE_NAMES
 
 
 @pytest.mark.parametrize("role", ROLES, ids=ROLE_NAMES)

@@ -16,7 +16,7 @@ from controller.stages.render import thermal_vars
 from lab import standin_smi
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "roles" / "thermal_guard" / "files" / "thermal_guard.py"
+SCRIPT = ROOT / "ansible_collections/v100box/llm/roles" / "thermal_guard" / "files" / "thermal_guard.py"
 
 
 def _load():

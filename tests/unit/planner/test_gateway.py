@@ -154,7 +154,7 @@ def test_the_haproxy_configuration_names_models_and_boxes_in_its_errors_and_hold
     variables = {key: value for key, value in host_vars(fleet.box("gw"), CPU_PROFILE, plans["gw"]).items()
                  if key.startswith("llm_gateway_")} | secrets_for(fleet.box("gw"), fleet)
     (tmp_path / "vars.yml").write_text(yaml.safe_dump(variables))
-    (tmp_path / "play.yml").write_text(PLAYBOOK.format(role=ROOT / "roles" / "llm_gateway", out=tmp_path))
+    (tmp_path / "play.yml").write_text(PLAYBOOK.format(role=ROOT / "ansible_collections/v100box/llm/roles" / "llm_gateway", out=tmp_path))
     done = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,",
                            str(tmp_path / "play.yml"), "-e", f"@{tmp_path / 'vars.yml'}",
                            "-e", f"ansible_python_interpreter={sys.executable}"],

@@ -330,12 +330,12 @@ def test_host_vars_carry_the_plans_architectures_to_the_source_build(tmp_path):
     assert rendered["llama_engine_cuda_architectures"] == [70, 86]
     v100_only = plan_box(box, hardware.model_copy(update={"gpus": hardware.gpus[4:]}), catalog())
     assert {engine.cuda_archs[0] for engine in v100_only.engines} == {70}
-    role_vars = yaml.safe_load((REPO / "roles/llama_engine/vars/main.yml").read_text())
+    role_vars = yaml.safe_load((REPO / "ansible_collections/v100box/llm/roles/llama_engine/vars/main.yml").read_text())
     flags = [jinja2.Environment().from_string(flag).render(
         llama_engine_cuda_architectures=rendered["llama_engine_cuda_architectures"])
         for flag in role_vars["_llama_engine_cuda_flags"]]
     assert "-DCMAKE_CUDA_ARCHITECTURES=70-real;86-real" in flags
-    defaults = yaml.safe_load((REPO / "roles/llama_engine/defaults/main.yml").read_text())
+    defaults = yaml.safe_load((REPO / "ansible_collections/v100box/llm/roles/llama_engine/defaults/main.yml").read_text())
     assert jinja2.Environment().from_string(role_vars["_llama_engine_cuda_flags"][2]).render(
         **defaults) == "-DCMAKE_CUDA_ARCHITECTURES=70-real"
 

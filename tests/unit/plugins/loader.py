@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-PLUGINS = Path(__file__).resolve().parents[3] / "plugins" / "modules"
+PLUGINS = Path(__file__).resolve().parents[3] / "ansible_collections/v100box/llm/plugins" / "modules"
 
 
 def load_module(name: str) -> Any:

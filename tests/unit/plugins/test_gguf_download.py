@@ -22,7 +22,7 @@ import pytest
 
 from lab.fileserver import FileServer
 
-MODULE_PATH = Path(__file__).resolve().parents[3] / "plugins" / "modules" / "gguf_download.py"
+MODULE_PATH = Path(__file__).resolve().parents[3] / "ansible_collections/v100box/llm/plugins" / "modules" / "gguf_download.py"
 TOKEN = "hf_TESTtoken0123456789abcdef"
 SIZE = 8 << 20
 

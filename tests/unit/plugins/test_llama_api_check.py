@@ -15,7 +15,7 @@ from lab.target import free_port
 
 pytestmark = pytest.mark.engine
 
-MODULE = Path(__file__).resolve().parents[3] / "plugins" / "modules" / "llama_api_check.py"
+MODULE = Path(__file__).resolve().parents[3] / "ansible_collections/v100box/llm/plugins" / "modules" / "llama_api_check.py"
 KEY = "check-key-0123456789abcdef"
 
 

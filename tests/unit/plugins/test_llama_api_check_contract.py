@@ -11,7 +11,7 @@ import yaml
 
 from tests.unit.windows.powershell import parse_errors
 
-PLUGINS = Path(__file__).resolve().parents[3] / "plugins"
+PLUGINS = Path(__file__).resolve().parents[3] / "ansible_collections/v100box/llm/plugins"
 LINUX = PLUGINS / "modules" / "llama_api_check.py"
 WINDOWS = PLUGINS / "windows_modules" / "llama_api_check.ps1"
 

@@ -18,7 +18,7 @@ from lab.target import free_port
 
 pytestmark = pytest.mark.engine
 
-MODULE = Path(__file__).resolve().parents[3] / "plugins" / "modules" / "llama_burn_in.py"
+MODULE = Path(__file__).resolve().parents[3] / "ansible_collections/v100box/llm/plugins" / "modules" / "llama_burn_in.py"
 KEY = "burn-in-key-0123456789abcdef"
 QUERY = ("--query-gpu=index,uuid,temperature.gpu,temperature.memory,power.draw,power.limit,clocks.sm,clocks.mem,"
          "clocks_throttle_reasons.active --format=csv,noheader,nounits")

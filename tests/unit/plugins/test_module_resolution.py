@@ -29,8 +29,8 @@ def test_each_shell_gets_its_own_file(order):
     done = subprocess.run([sys.executable, "-c", RESOLVE, *order], cwd=ROOT, env=env, capture_output=True, text=True,
                           check=True)
     found = json.loads(done.stdout.strip().splitlines()[-1])
-    assert found == {"posix": str(ROOT / "plugins/modules/llama_api_check.py"),
-                     ".ps1": str(ROOT / "plugins/windows_modules/llama_api_check.ps1")}
+    assert found == {"posix": str(ROOT / "ansible_collections/v100box/llm/plugins/modules/llama_api_check.py"),
+                     ".ps1": str(ROOT / "ansible_collections/v100box/llm/plugins/modules/llama_api_check.ps1")}
 
 
 def test_a_linux_host_runs_the_python_module(tmp_path):

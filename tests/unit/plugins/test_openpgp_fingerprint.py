@@ -24,7 +24,7 @@ RSA_FPR = "CB55D58BBBFF9A9C27870B55366F42F4DD86BC76"
 
 
 def _module() -> Any:
-    spec = importlib.util.spec_from_file_location("openpgp_fingerprint", PROJECT / "plugins/modules/openpgp_fingerprint.py")
+    spec = importlib.util.spec_from_file_location("openpgp_fingerprint", PROJECT / "ansible_collections/v100box/llm/plugins/modules/openpgp_fingerprint.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

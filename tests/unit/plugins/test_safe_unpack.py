@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-MODULE_PATH = Path(__file__).resolve().parents[3] / "plugins" / "modules" / "safe_unpack.py"
+MODULE_PATH = Path(__file__).resolve().parents[3] / "ansible_collections/v100box/llm/plugins" / "modules" / "safe_unpack.py"
 
 
 def _run(tmp_path: Path, **args: Any) -> dict[str, Any]:

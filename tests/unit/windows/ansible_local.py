@@ -17,7 +17,7 @@ import yaml
 from controller.model import rules
 
 PROJECT = Path(__file__).resolve().parents[3]
-ROLES = PROJECT / "roles"
+ROLES = PROJECT / "ansible_collections/v100box/llm/roles"
 ROLE_NAMES = ("nvidia_driver", "llama_engine", "gguf_model", "llama_service", "thermal_guard", "llama_verify")
 MERGED_ROLES = [ROLES / name for name in ROLE_NAMES]
 

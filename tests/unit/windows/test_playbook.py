@@ -11,7 +11,7 @@ import yaml
 
 from tests.unit.windows.ansible_local import MERGED_ROLES, PROJECT, ROLE_NAMES
 
-PLAYBOOKS = PROJECT / "playbooks"
+PLAYBOOKS = PROJECT / "ansible_collections/v100box/llm/playbooks"
 
 
 def tool(name: str) -> str:
@@ -49,7 +49,7 @@ def test_site_is_one_play_running_the_roles_in_order():
     (certify,) = plays("certify.yml")
     assert certify["hosts"] == "all" and {task["ansible.builtin.import_role"]["name"] for task in certify["tasks"]} == {
         "llama_verify"}
-    assert sorted(path.name for path in (PROJECT / "roles").iterdir()) == sorted(
+    assert sorted(path.name for path in (PROJECT / "ansible_collections/v100box/llm/roles").iterdir()) == sorted(
         [*ROLE_NAMES, *LINUX_ONLY, CACHE_ROLE, SEAL_ROLE])
 
 
@@ -59,7 +59,7 @@ def test_playbook_syntax_with_windows_and_linux_hosts(tmp_path, playbook):
     inventory.write_text("windows:\n  hosts:\n    box9:\n      ansible_connection: winrm\n"
                          "linux:\n  hosts:\n    box3:\n      ansible_host: 192.0.2.10\n")
     result = subprocess.run(
-        [tool("ansible-playbook"), "--syntax-check", "-i", str(inventory), f"playbooks/{playbook}"],
+        [tool("ansible-playbook"), "--syntax-check", "-i", str(inventory), f"ansible_collections/v100box/llm/playbooks/{playbook}"],
         cwd=PROJECT, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
@@ -94,7 +94,7 @@ def test_fact_gathering_asks_each_os_for_a_subset_it_knows(tmp_path, playbook):
 def test_verify_gathers_no_facts_and_its_role_tells_windows_from_the_connection():
     (verify,) = plays("verify.yml")
     assert verify["gather_facts"] is False
-    text = (PROJECT / "roles" / "llama_verify" / "vars" / "main.yml").read_text()
+    text = (PROJECT / "ansible_collections/v100box/llm/roles" / "llama_verify" / "vars" / "main.yml").read_text()
     assert "ansible_connection" in text and "'windows' in group_names" in text
 
 

@@ -9,7 +9,7 @@ from tests.unit.windows.ansible_local import PROJECT
 from tests.unit.windows.powershell import parse_errors, role_scripts
 
 SCRIPTS = list(role_scripts())
-MODULES = sorted((PROJECT / "plugins").glob("*/*.ps1"))
+MODULES = sorted((PROJECT / "ansible_collections/v100box/llm/plugins").glob("*/*.ps1"))
 
 
 def test_the_roles_scripts_were_found():
@@ -32,7 +32,7 @@ def test_powershell_module_parses(module: Path):
 
 def test_windows_modules_live_apart_from_their_linux_twins():
     # Beside llama_api_check.py, the .ps1 could be what Ansible runs on a Linux box (test_module_resolution.py).
-    assert [str(path.relative_to(PROJECT)) for path in MODULES] == ["plugins/windows_modules/llama_api_check.ps1"]
+    assert [str(path.relative_to(PROJECT)) for path in MODULES] == ["plugins/modules/llama_api_check.ps1"]
 
 
 @pytest.mark.parametrize(
