@@ -16,6 +16,11 @@ class ControllerError(Exception):
             cls.exit_code = exit_code
 
 
+class NotRendered(ControllerError, exit_code=1):
+    """The inventory lacks what an earlier command writes there for the box (its plan, its rendered host_vars, its
+    provisioning report), or holds a copy this controller cannot read: the line names the command that makes it."""
+
+
 class FleetError(ControllerError, exit_code=2):
     """The fleet file is missing, malformed, or names something that does not exist."""
 

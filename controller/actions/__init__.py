@@ -1,1 +1,2 @@
-"""What a command does with the stages: provision, certify, seal, wire a workstation, the fleet lock, client settings."""
+"""What a command does with the stages: provision, status, certify, seal, wire a workstation, the fleet lock,
+client settings."""

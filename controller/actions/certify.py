@@ -10,35 +10,27 @@ in Markdown, JSON and HTML (``controller.reports.certify``). The box is not chan
 from __future__ import annotations
 
 import datetime as dt
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 from controller.actions.lock import lock_path, read_lock, template_digests
-from controller.actions.provision import rendered_plan
-from controller.errors import ControllerError, FleetError
-from controller.files import inventory_lock
+from controller.errors import ControllerError, FleetError, NotRendered
+from controller.inventory import Inventory
 from controller.model.catalog import load_catalog
 from controller.model.fleet import Box, Fleet
 from controller.model.profile import HardwareProfile
 from controller.model.serveplan import ServePlan
 from controller.stages.render import guard_enabled, secrets_for
 from controller.stages.runner import EventHandler, RunResult, run_playbook
-from controller.stages.transports.known_hosts import known_hosts_file
 from controller.stages.verify import results
 from controller.stages.verify.certify import STATS_KEY, evaluate
 from controller.stages.verify.status import STATS_KEY as STATUS_KEY
-from controller.stages.verify.status import rendered_engine_root
 
 PLAYBOOK = "certify.yml"
 REPORT_VERSION = 1
 MAX_BURN_IN_S = 7 * 24 * 3600
 _DURATION = re.compile(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?")
-
-
-class NotProvisioned(ControllerError, exit_code=1):
-    """certify checks a box that provision set up from this inventory; there is nothing to certify before."""
 
 
 class CertificationFailed(ControllerError, exit_code=6):
@@ -105,7 +97,7 @@ def certify(fleet: Fleet, fleet_path: Path, box_name: str, inventory: Path, *, b
             on_event: EventHandler | None = None) -> dict[str, Any]:
     """Certify one provisioned box; returns the report (with ``reports``: the paths written).
 
-    Raises NotProvisioned for a box this inventory has no plan or provisioning report for.
+    Raises NotRendered for a box this inventory has no plan or provisioning report for.
     """
     from controller.reports.certify import write_reports
     from controller.stages.probe.collect import probe_box
@@ -113,12 +105,13 @@ def certify(fleet: Fleet, fleet_path: Path, box_name: str, inventory: Path, *, b
     box = fleet.box(box_name)
     catalog = load_catalog(fleet.catalogs)
     provision = f"controller provision {box.name} --fleet {fleet_path}"
-    with inventory_lock(inventory, f"certify {box.name}"):
-        plan = rendered_plan(inventory, box.name)
-        if plan is None or not (inventory / "reports" / f"{box.name}.json").is_file():
-            raise NotProvisioned(f"box {box.name} was never provisioned from {inventory}: run `{provision}` first, "
-                                 "then certify it")
-        profile, _raw, _seconds = probe_box(box, known_hosts=known_hosts_file(inventory))
+    folder = Inventory(inventory)
+    with folder.mutex(f"certify {box.name}"):
+        plan = folder.find_plan(box.name)
+        if plan is None or folder.report(box.name) is None:
+            raise NotRendered(f"box {box.name} was never provisioned from {inventory}: run `{provision}` first, "
+                              "then certify it")
+        profile, _raw, _seconds = probe_box(box, known_hosts=folder.known_hosts_file)
         run = run_playbook(PLAYBOOK, inventory=inventory, limit=box.name, secrets=secrets_for(box),
                            extravars={"llama_verify_burn_in_s": burn_in_s,
                                       # a card held at the fleet's power limit caps its power by design
@@ -132,7 +125,8 @@ def certify(fleet: Fleet, fleet_path: Path, box_name: str, inventory: Path, *, b
         extras = (run.data.get(STATS_KEY) or {}).get(box.name) or {}
         verify = results(run, box)
         found = evaluate(box, plan, profile, catalog, run, verify, state, extras,
-                         fleet_path=str(fleet_path), locked=locked, engine_root=rendered_engine_root(inventory, box.name),
+                         fleet_path=str(fleet_path), locked=locked,
+                         engine_root=folder.engine_root(box.name, windows=box.os == "windows"),
                          burn_in_s=burn_in_s, thermal=thermal_settings(box, plan),
                          power_planned=bool(box.power_limit_w))
         report = {
@@ -154,30 +148,13 @@ def certify(fleet: Fleet, fleet_path: Path, box_name: str, inventory: Path, *, b
             "thermal_guard": found["thermal_guard"],
             "power": found["power"],
             "run": _run_summary(run),
-            "seal": previous_seal(inventory, box.name),
+            # A seal recorded in the box's last report stays in the next one (a sealed box was sealed).
+            "seal": (folder.certify_report(box.name) or {}).get("seal"),
         }
-        report["reports"] = write_reports(inventory / "reports", report)
+        report["reports"] = write_reports(folder, report)
     return report
 
 
 def _run_summary(run: RunResult) -> dict[str, Any]:
     return {"playbook": run.playbook, "status": run.status, "elapsed": round(run.elapsed, 1),
             "failed": [f"{task.task}: {task.message}" for task in run.failed[:5]]}
-
-
-def report_path(inventory: Path, box_name: str) -> Path:
-    return inventory / "reports" / f"{box_name}.certify.json"
-
-
-def read_report(inventory: Path, box_name: str) -> dict[str, Any] | None:
-    """The box's last certification report (None: never certified from this inventory, or unreadable)."""
-    try:
-        report = json.loads(report_path(inventory, box_name).read_text())
-    except (OSError, ValueError):
-        return None
-    return report if isinstance(report, dict) else None
-
-
-def previous_seal(inventory: Path, box_name: str) -> dict[str, Any] | None:
-    """A seal recorded in the box's last report stays in the next one (a sealed box was sealed)."""
-    return (read_report(inventory, box_name) or {}).get("seal")

@@ -1,159 +1,19 @@
-"""What an agent client needs to use a box's services: Claude Code's environment, an OpenClaw provider.
+"""``controller clients``: what an agent client needs to use a box's services.
 
-This is the JSON contract of ``controller clients BOX --fleet FILE --json``; extend it, never rename::
-
-    {box, services: [{model, base_url, ctx, warnings: [sentence],
-                      claude_code: {env: {NAME: value}, settings: {...}}, openclaw: {provider: {...}}}]}
-
-Everything comes from the box's rendered plan (the served model id, its address and its planned
-context) and the box's API key secret; ``client_config`` is pure. The same values are what the
-``agent_clients`` role writes for a box's accounts and a workstation's (launch scripts, the merged OpenClaw
-config; ``role_services`` is its input, without the key).
+The values come from the box's rendered plan (``controller.inventory``) and the box's API key secret, through the
+pure projection in ``controller.model.clients`` (the JSON contract is described there); a box this inventory
+sealed is refused, its keys are the buyer's.
 """
 
 from __future__ import annotations
 
-import ipaddress
-import json
-import re
 from pathlib import Path
 from typing import Any
 
-from controller.errors import ControllerError, FleetError
+from controller.errors import FleetError
+from controller.inventory import Inventory
+from controller.model.clients import client_config
 from controller.model.fleet import Box, Fleet, check_api_key
-from controller.model.rules import AGENT_CLIENT_CTX, STREAM_SILENCE_S, reachable_host
-from controller.model.serveplan import ServePlan, Service
-
-CLIENTS = tuple(AGENT_CLIENT_CTX)  # "claude-code", "openclaw"
-MAX_OUTPUT_TOKENS = 32000  # Claude Code's own default cap; a smaller context gets a quarter of it
-# Claude Code's model variables: every one names the served model, so whatever slot Claude Code picks
-# (main, the small/fast model for titles and summaries, each default) reaches this server, and the
-# model reports its real identity.
-CLAUDE_MODEL_VARIABLES = ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL",
-                          "ANTHROPIC_DEFAULT_HAIKU_MODEL", "ANTHROPIC_SMALL_FAST_MODEL")
-# What a client does with less context than it needs (AGENT_CLIENT_CTX).
-SHORT_CONTEXT = {"claude-code": "its first turn fails with \"Prompt is too long\" (its system prompt and tools come first)",
-                 "openclaw": "its first request (~23k tokens of system prompt and tools) fails, and it drops replies"}
-# OpenClaw's documented settings for a custom provider in front of llama-server: tools on, and tool schemas cleaned
-# of what llama.cpp's grammar compiler refuses (long pattern/maxLength values).
-OPENCLAW_COMPAT = {"supportsTools": True, "toolSchemaProfile": "llamacpp"}
-
-
-class NotPlanned(ControllerError, exit_code=1):
-    """The box has no rendered plan yet: nothing is known about what it serves."""
-
-
-def max_output_tokens(ctx: int) -> int:
-    """A reply budget that leaves the prompt most of the context: a quarter of it, at most Claude Code's cap."""
-    return min(MAX_OUTPUT_TOKENS, ctx // 4)
-
-
-def base_url(box: Box, service: Service) -> str:
-    """Where a client reaches the service: the box's address when it listens everywhere, else its bind."""
-    bind = ipaddress.ip_address(box.bind)
-    host = box.address if bind.is_unspecified else reachable_host(box.bind)
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{service.port}"
-
-
-def provider_id(box: Box) -> str:
-    """The OpenClaw provider name of a box: one provider per box, one model per service."""
-    return "v100-" + re.sub(r"[^a-z0-9-]+", "-", box.name.lower())
-
-
-def claude_code(service: Service, url: str, api_key: str) -> dict[str, Any]:
-    env = {
-        "ANTHROPIC_BASE_URL": url,
-        "ANTHROPIC_AUTH_TOKEN": api_key,
-        **{name: service.model for name in CLAUDE_MODEL_VARIABLES},
-        # Claude Code compacts the conversation before it reaches the server's context, which it would refuse.
-        "CLAUDE_CODE_AUTO_COMPACT_WINDOW": str(service.ctx),
-        "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(service.ctx),
-        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(max_output_tokens(service.ctx)),
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",  # no telemetry, error reports or update checks
-        # A long prefill sends nothing for minutes: wait as long as the gateway does rather than give up.
-        "API_TIMEOUT_MS": str(STREAM_SILENCE_S * 1000),
-        "CLAUDE_BYTE_STREAM_IDLE_TIMEOUT_MS": str(STREAM_SILENCE_S * 1000),
-    }
-    # settings.json carries everything but the secret; the token comes from the environment (a launch script).
-    settings = {"model": service.model,
-                "env": {name: value for name, value in env.items() if name != "ANTHROPIC_AUTH_TOKEN"}}
-    return {"env": env, "settings": settings}
-
-
-def openclaw(box: Box, service: Service, url: str, api_key: str) -> dict[str, Any]:
-    model = {
-        "id": service.model,
-        "name": f"{service.model} on {box.name}",
-        "reasoning": False,
-        "input": ["text"],
-        "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0},
-        "contextWindow": service.ctx,
-        "maxTokens": max_output_tokens(service.ctx),
-        "compat": dict(OPENCLAW_COMPAT),
-    }
-    provider = {"baseUrl": f"{url}/v1", "apiKey": api_key, "api": "openai-completions", "models": [model]}
-    return {"provider_id": provider_id(box), "model_ref": f"{provider_id(box)}/{service.model}",
-            "provider": provider}
-
-
-def context_warnings(service: Service, only: str | None = None) -> list[str]:
-    """One sentence, with the numbers, per client (``only``: that one) whose minimum context (AGENT_CLIENT_CTX, what
-    the planner gives a model that names the client) the service's planned context is below."""
-    warnings = []
-    for client in (only,) if only else CLIENTS:
-        least, prefer = AGENT_CLIENT_CTX[client]
-        if service.ctx < least:
-            warnings.append(f"{service.model} has {service.ctx} tokens of context; {client} needs at least {least} "
-                            f"(prefers {prefer}): {SHORT_CONTEXT[client]}. Name the client in the fleet file "
-                            f"(agents: [{client}] on the model or the box) and provision again: the planner then "
-                            f"gives it the context or says why it cannot")
-    return warnings
-
-
-def client_config(box: Box, plan: ServePlan, api_key: str, only: str | None = None) -> dict[str, Any]:
-    """For each planned service, what Claude Code and OpenClaw need (``only``: one of them), and a warning per
-    client the service's context is too small for."""
-    services = []
-    for service in plan.services:
-        url = base_url(box, service)
-        entry: dict[str, Any] = {"model": service.model, "base_url": url, "ctx": service.ctx,
-                                 "warnings": context_warnings(service, only)}
-        if only in (None, "claude-code"):
-            entry["claude_code"] = claude_code(service, url, api_key)
-        if only in (None, "openclaw"):
-            entry["openclaw"] = openclaw(box, service, url, api_key)
-        services.append(entry)
-    return {"box": box.name, "services": services}
-
-
-def role_services(box: Box, plan: ServePlan, key: str | None = None) -> list[dict[str, Any]]:
-    """roles/agent_clients' input: each service's client settings without the key, and the key's name.
-
-    ``key`` None: each server's own key file on the box (``<instance>.key``); a workstation names the box, whose
-    key the controller hands in.
-    """
-    services = []
-    for service in plan.services:
-        url = base_url(box, service)
-        env = claude_code(service, url, "")["env"]
-        del env["ANTHROPIC_AUTH_TOKEN"]
-        entry = openclaw(box, service, url, "")
-        del entry["provider"]["apiKey"]
-        services.append({"name": service.name, "box": box.name, "model": service.model, "key": key or service.name,
-                         "env": env,
-                         "openclaw_provider_id": entry["provider_id"], "openclaw_provider": entry["provider"]})
-    return services
-
-
-def load_plan(inventory: Path, box: Box) -> ServePlan:
-    path = inventory / "plans" / f"{box.name}.json"
-    try:
-        return ServePlan.model_validate(json.loads(path.read_text()))
-    except FileNotFoundError:
-        raise NotPlanned(f"{inventory} has no plan for {box.name}; run `controller provision {box.name}` "
-                         f"(or `controller render {box.name}`) first") from None
 
 
 def box_api_key(box: Box) -> str:
@@ -174,39 +34,5 @@ def clients_for(fleet: Fleet, box_name: str, inventory: Path, only: str | None =
     box = fleet.box(box_name)
     refuse_sealed(inventory, box.name, "its API keys are the buyer's (only in the buyer's copy of the report) and "
                   "the fleet's api_key no longer opens it, so there is no key to print")
-    plan = load_plan(inventory, box)
-    return client_config(box, plan, box_api_key(box), only)
+    return client_config(box, Inventory(inventory).plan(box.name), box_api_key(box), only)
 
-
-# ---------------------------------------------------------------- OpenClaw's config file
-
-
-class OpenClawConfigError(ControllerError, exit_code=2):
-    """An existing OpenClaw config cannot be read as JSON5; it is left as it was."""
-
-
-def merge_openclaw(text: str, provider_id: str, provider: dict[str, Any], source: str = "the OpenClaw config") -> str:
-    """The OpenClaw config ``text`` (JSON5) with ``provider`` set under models.providers; all else kept.
-
-    The result is JSON (which JSON5 readers accept); comments of the original are not carried over.
-    Refuses text that is not JSON5, or whose ``models``/``models.providers`` is not an object.
-    """
-    import json5
-
-    try:
-        config = json5.loads(text) if text.strip() else {}
-    except ValueError as exc:
-        raise OpenClawConfigError(f"{source} is not valid JSON5 ({exc}); fix it or move it aside, it was left "
-                                  f"untouched") from None
-    if not isinstance(config, dict):
-        raise OpenClawConfigError(f"{source} holds a {type(config).__name__}, not an object; it was left untouched")
-    models = config.setdefault("models", {})
-    providers = models.setdefault("providers", {}) if isinstance(models, dict) else None
-    if not isinstance(providers, dict):
-        raise OpenClawConfigError(f"{source}: models.providers is not an object; it was left untouched")
-    models.setdefault("mode", "merge")  # keep OpenClaw's built-in providers beside this one
-    existing = providers.get(provider_id) if isinstance(providers.get(provider_id), dict) else {}
-    ours = {model["id"] for model in provider.get("models", [])}
-    kept = [model for model in existing.get("models", []) if not (isinstance(model, dict) and model.get("id") in ours)]
-    providers[provider_id] = {**existing, **provider, "models": kept + list(provider.get("models", []))}
-    return json.dumps(config, indent=2, ensure_ascii=False) + "\n"

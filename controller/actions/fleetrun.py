@@ -1,12 +1,12 @@
-"""Many boxes at once: the stages of ``provision.py``, run for a selection of the fleet.
+"""Many boxes at once: the pieces the provision use case (``controller.actions.provision``) and ``controller lock``
+share.
 
-Probing and planning are I/O bound (SSH round trips), so they run concurrently, a thread per box up to
-``PROBE_WORKERS``; rendering is quick and runs box after box (a gateway box after the boxes it routes to,
-whose rendered plans it reads). Then one ansible-runner run of playbooks/site.yml covers every box that
-was rendered (``--limit`` names them; Ansible's own forks run them in parallel, one fork per box up to
-``MAX_FORKS``), and each box gets its own report. A box that cannot be probed, planned or rendered is left
-out of the run; a box that fails in the run is removed from the play by Ansible; neither stops the others.
-The whole run holds the inventory lock, as one box's provision does.
+Probing and planning are I/O bound (SSH round trips), so ``plan_boxes`` runs them concurrently, a thread per box up
+to ``PROBE_WORKERS``, and gives each box its plan or its error. A gateway is planned over the rendered plans of the
+boxes it routes to (``add_gateway``). One run of playbooks/site.yml covers every box (Ansible's forks, one per box up
+to ``MAX_FORKS``); ``finish`` reads one box's part of it (``host_run``) into the box's report and its line of the
+summary (``BoxOutcome``; ``FleetRun`` is the whole). ``lock_fleet`` is ``controller lock``: the boxes planned
+afresh, their entries written into the fleet's lock or compared with it; nothing is rendered.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from controller.actions.lock import (
     BoxLock,
     Lock,
     changes,
-    check_box,
     check_fleet,
     check_fleet_file,
     differences,
@@ -34,18 +33,18 @@ from controller.actions.lock import (
     read_lock,
     updated,
 )
-from controller.actions.provision import add_gateway, check_driver
-from controller.errors import ControllerError, LockError, PlanError, RunError
-from controller.files import inventory_lock, write_atomic
+from controller.errors import ControllerError, PlanError, TransportError
+from controller.files import write_atomic
+from controller.inventory import Inventory
 from controller.model.catalog import Catalog, load_catalog
 from controller.model.fleet import Box, Fleet
 from controller.model.profile import HardwareProfile
 from controller.model.serveplan import ServePlan
 from controller.reports.provision import build_report, not_as_asked, write_report
 from controller.stages.planner import plan_box
-from controller.stages.render import render_box, secrets_for
-from controller.stages.runner import EventHandler, HostStats, RunInterrupted, RunResult, run_playbook
-from controller.stages.transports.known_hosts import known_hosts_file
+from controller.stages.planner.gateway import plan_gateway
+from controller.stages.probe.driver import driver_window_problem
+from controller.stages.runner import HostStats, RunResult
 from controller.stages.verify import results
 
 PROBE_WORKERS = 32  # boxes probed at once: each is an SSH session waiting on the box, not on this CPU
@@ -54,6 +53,7 @@ MAX_FORKS = 50  # Ansible processes at once (about 60 MB each on the controller)
 # What happened to a box, as the summary says it.
 OK, FAILED, UNREACHABLE, NOT_VERIFIED, INTERRUPTED = "ok", "failed", "unreachable", "not verified", "interrupted"
 NOT_AS_ASKED = "not as asked"  # verified, but serving only the wanted models that fit
+RAN = (OK, NOT_VERIFIED, NOT_AS_ASKED)  # the run finished on the box: what it now has is what was rendered
 
 StageHandler = Callable[[str, str, str], None]  # (box, stage, detail): probe/plan/render progress for the display
 
@@ -83,11 +83,16 @@ class BoxOutcome:
 
 @dataclass
 class FleetRun:
+    """What a provision did: a line per box, the one run, and what it recorded in the fleet's lock."""
+
     outcomes: list[BoxOutcome]
     elapsed: float
     prepare_seconds: float  # probe + plan of every box, concurrently, then render
     run: RunResult | None = None  # the one site.yml run (None: no box got that far)
     forks: int = 0
+    reports: dict[str, dict[str, Any]] = field(default_factory=dict)  # each written report, by box
+    lock_file: Path | None = None  # the fleet's lock, when the boxes that ran were recorded in it
+    lock_changes: list[str] | None = None  # what recording changed there (None: nothing was recorded)
 
     @property
     def failed(self) -> list[BoxOutcome]:
@@ -104,7 +109,9 @@ class FleetRun:
 
 
 @dataclass
-class _Planned:
+class Planned:
+    """A box probed and planned, nothing rendered yet."""
+
     box: Box
     profile: HardwareProfile
     plan: ServePlan
@@ -113,7 +120,7 @@ class _Planned:
 
 
 @dataclass
-class _Spans:
+class Spans:
     """When each host's first and last run event came (monotonic): its part of the shared run."""
 
     first: dict[str, float] = field(default_factory=dict)
@@ -140,32 +147,66 @@ def check_selection(fleet: Fleet, names: Sequence[str]) -> Catalog:
     return catalog
 
 
-def probe_and_plan(box: Box, catalog: Catalog, inventory: Path) -> _Planned:
-    """Probe one box and plan its services: no change to the box and nothing written but its host key."""
-    from controller.stages.probe.collect import probe_box
+def check_driver(box: Box, profile: HardwareProfile) -> None:
+    """Refuse a V100 box whose installed driver is outside the driver window (controller.model.rules); name the
+    one to install.
 
-    profile, _raw, probe_seconds = probe_box(box, known_hosts=known_hosts_file(inventory))
+    No driver at all is fine: the driver role installs one. A driver in the window is kept as it is.
+    """
+    if not any(gpu.is_v100 for gpu in profile.gpus) or not profile.driver.version:
+        return
+    problem = driver_window_problem(profile.driver.version, has_volta=True, os_family=profile.os.family or box.os,
+                                    wsl=profile.os.wsl)
+    if problem:
+        raise PlanError(f"box {box.name}: {problem}; then provision again")
+
+
+def probe_and_plan(box: Box, catalog: Catalog, inventory: Path) -> Planned:
+    """Probe one box and plan its services: no change to the box and nothing written but its host key."""
+    from controller.stages.probe.collect import probe_box  # the transports pull in fabric and pywinrm
+
+    profile, _raw, probe_seconds = probe_box(box, known_hosts=Inventory(inventory).known_hosts_file)
     started = time.monotonic()
     check_driver(box, profile)
     plan = plan_box(box, profile, catalog)
     if not plan.services:
         reasons = "; ".join(f"{item.model}: {item.reason}" for item in plan.unplaced)
         raise PlanError(f"box {box.name}: no wanted model fits: {reasons}")
-    return _Planned(box, profile, plan, probe_seconds, time.monotonic() - started)
+    return Planned(box, profile, plan, probe_seconds, time.monotonic() - started)
 
 
-def _one_line(error: BaseException) -> str:
+def plan_boxes(fleet: Fleet, names: Sequence[str], catalog: Catalog, inventory: Path,
+               ) -> dict[str, Planned | ControllerError]:
+    """Probe and plan ``names`` concurrently; each box's plan, or the error that stopped it, in the order given."""
+
+    def one(name: str) -> Planned | ControllerError:
+        try:
+            return probe_and_plan(fleet.boxes[name], catalog, inventory)
+        except ControllerError as error:
+            return error
+
+    with ThreadPoolExecutor(max_workers=max(1, min(PROBE_WORKERS, len(names))), thread_name_prefix="probe") as pool:
+        return dict(zip(names, pool.map(one, names), strict=True))
+
+
+def add_gateway(fleet: Fleet, box: Box, plan: ServePlan, inventory: Path) -> None:
+    """Plan the box's gateway (when the fleet gives it one) over the plans rendered for the boxes it routes to."""
+    if box.gateway is not None:
+        folder = Inventory(inventory)
+        plan.gateway = plan_gateway(box, plan, {name: (fleet.box(name), folder.find_plan(name))
+                                                for name in box.gateway.boxes if name != box.name})
+
+
+def one_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return text[0] if text else type(error).__name__
 
 
-def _result_for(error: BaseException) -> str:
-    from controller.errors import TransportError
-
+def result_for(error: BaseException) -> str:
     return UNREACHABLE if isinstance(error, TransportError) else FAILED
 
 
-def _host_run(run: RunResult, host: str, seconds: float) -> RunResult:
+def host_run(run: RunResult, host: str, seconds: float) -> RunResult:
     """The shared run as one host saw it: its stats and failures, successful when it failed nowhere."""
     stats = run.stats.get(host)
     failed = [task for task in run.failed if task.host == host]
@@ -175,92 +216,13 @@ def _host_run(run: RunResult, host: str, seconds: float) -> RunResult:
                                failed=failed)
 
 
-def provision_many(fleet: Fleet, names: Sequence[str], inventory: Path, on_event: EventHandler | None = None,
-                   on_stage: StageHandler | None = None) -> FleetRun:
-    """Probe and plan ``names`` concurrently, render them, run site.yml once over all of them, write each report.
-
-    Bad input (an unknown box, group or model id) is refused before any connection. Every other problem
-    stays with its box: the outcome says which and why. Ctrl-C writes each rendered box's report (where the
-    run stopped), then raises RunInterrupted.
-    """
-    started = time.monotonic()
-    stage = on_stage or (lambda box, what, detail: None)
-    catalog = check_selection(fleet, names)
-    outcomes = {name: BoxOutcome(name) for name in names}
-    planned: dict[str, _Planned] = {}
-    with inventory_lock(inventory, f"provision {len(names)} boxes"):
-        for name in names:
-            stage(name, "probe", "probing")
-
-        def prepare(name: str) -> tuple[str, _Planned | BaseException]:
-            try:
-                return name, probe_and_plan(fleet.boxes[name], catalog, inventory)
-            except ControllerError as error:
-                return name, error
-
-        with ThreadPoolExecutor(max_workers=max(1, min(PROBE_WORKERS, len(names))),
-                                thread_name_prefix="probe") as pool:
-            for name, got in pool.map(prepare, names):
-                if isinstance(got, BaseException):
-                    outcomes[name].result, outcomes[name].reason = _result_for(got), _one_line(got)
-                    stage(name, outcomes[name].result, outcomes[name].reason or "")
-                else:
-                    planned[name] = got
-                    outcomes[name].probe_seconds, outcomes[name].plan_seconds = got.probe_seconds, got.plan_seconds
-
-        secrets: dict[str, dict[str, Any]] = {}
-        # The boxes a gateway routes to are rendered first: the gateway plans over their rendered plans.
-        for name in sorted(planned, key=lambda each: planned[each].box.gateway is not None):
-            item = planned[name]
-            try:
-                add_gateway(fleet, item.box, item.plan, inventory)
-                render_box(inventory, fleet, item.box, item.profile, item.plan)
-                secrets[name] = secrets_for(item.box, fleet)
-            except ControllerError as error:
-                outcomes[name].result, outcomes[name].reason = FAILED, _one_line(error)
-                stage(name, FAILED, outcomes[name].reason or "")
-                del planned[name]
-                continue
-            services = ", ".join(f"{service.model}:{service.port}" for service in item.plan.services)
-            stage(name, "planned", f"probed in {item.probe_seconds:.1f}s, planned {services}")
-        prepare_seconds = time.monotonic() - started
-
-        ready = [name for name in names if name in planned]
-        run: RunResult | None = None
-        forks = max(1, min(len(ready), MAX_FORKS))
-        if ready:
-            spans = _Spans()
-
-            def handle(event: dict[str, Any]) -> None:
-                host = (event.get("event_data") or {}).get("host")
-                if host:
-                    spans.seen(host)
-                if on_event is not None:
-                    on_event(event)
-
-            try:
-                run = run_playbook("site.yml", inventory=inventory, limit=",".join(ready), host_secrets=secrets,
-                                   forks=forks, on_event=handle, raise_on_failure=False)
-            except RunInterrupted as stopped:
-                for name in ready:
-                    _finish(planned[name], stopped.result, spans, inventory, outcomes[name])
-                raise RunInterrupted(f"{stopped} (reports: {inventory / 'reports'})", stopped.result) from None
-            except RunError as error:  # the run as a whole could not start or finish (a timeout, no playbook)
-                for name in ready:
-                    outcomes[name].result, outcomes[name].reason = FAILED, _one_line(error)
-            else:
-                for name in ready:
-                    _finish(planned[name], run, spans, inventory, outcomes[name])
-    return FleetRun([outcomes[name] for name in names], time.monotonic() - started, prepare_seconds, run,
-                    forks if ready else 0)
-
-
-def _finish(item: _Planned, run: RunResult, spans: _Spans, inventory: Path, outcome: BoxOutcome) -> None:
-    """Write one box's report from the shared run and fill its line of the summary."""
+def finish(item: Planned, run: RunResult, seconds: float, inventory: Path, outcome: BoxOutcome) -> dict[str, Any]:
+    """Write one box's report from the shared run (``seconds``: its part of it) and fill its line of the summary;
+    returns the report."""
     name = item.box.name
-    seen = _host_run(run, name, spans.seconds(name))
+    seen = host_run(run, name, seconds)
     report = build_report(item.box, item.profile, item.plan, seen, results(run, item.box), item.probe_seconds)
-    json_path, _md = write_report(inventory / "reports", report)
+    json_path, _md = write_report(Inventory(inventory), report)
     stats = seen.stats[name]
     outcome.changed, outcome.verified, outcome.report = stats.changed, bool(report["verified"]), str(json_path)
     outcome.unplaced, outcome.provisioned_as_asked = list(report["unplaced"]), bool(report["provisioned_as_asked"])
@@ -284,6 +246,7 @@ def _finish(item: _Planned, run: RunResult, spans: _Spans, inventory: Path, outc
         outcome.result, outcome.reason = NOT_AS_ASKED, missing
     else:
         outcome.result, outcome.reason = OK, None
+    return report
 
 
 def failure_message(fleet_run: FleetRun) -> str:
@@ -293,45 +256,20 @@ def failure_message(fleet_run: FleetRun) -> str:
     return f"{len(failed)} of {len(fleet_run.outcomes)} boxes did not provision: {named}"
 
 
-# ---------------------------------------------------------------- the fleet's lock, planned afresh
+# ---------------------------------------------------------------- `controller lock`: the boxes planned afresh
 
 
 def fresh_entries(fleet: Fleet, names: list[str], inventory: Path) -> dict[str, BoxLock]:
     """Probe and plan ``names`` concurrently (as provisioning would) and build their entries; the first failure
     is raised, so nothing is written from half a fleet."""
-    catalog = check_selection(fleet, names)
-    with ThreadPoolExecutor(max_workers=max(1, min(PROBE_WORKERS, len(names))), thread_name_prefix="lock") as pool:
-        planned = list(pool.map(lambda name: probe_and_plan(fleet.boxes[name], catalog, inventory), names))
+    planned = plan_boxes(fleet, names, check_selection(fleet, names), inventory)
     entries = {}
-    for item in planned:
+    for name, item in planned.items():
+        if isinstance(item, ControllerError):
+            raise item
         add_gateway(fleet, item.box, item.plan, inventory)  # over the rendered plans of the boxes it routes to
-        entries[item.box.name] = entry_for(item.box, item.profile, item.plan)
+        entries[name] = entry_for(item.box, item.profile, item.plan)
     return entries
-
-
-def _require(path: Path, fleet_path: Path) -> Lock:
-    lock = read_lock(path)
-    if lock is None:
-        raise LockError(f"{fleet_path} has no lock ({path}): run `controller lock --fleet {fleet_path}` "
-                        "(or provision without --locked) to write one")
-    return lock
-
-
-def check_locked(fleet: Fleet, fleet_path: Path, names: list[str], inventory: Path, path: Path | None = None,
-                 ) -> Lock:
-    """For ``provision --locked``: plan ``names`` afresh and refuse, before anything is rendered or run on any box,
-    whatever differs from the lock."""
-    path = path or lock_path(fleet_path)
-    lock = _require(path, fleet_path)
-    check_fleet(lock, fleet, fleet_path, path)
-    for name in names:
-        fleet.box(name)
-        if name not in lock.boxes:
-            raise LockError(f"box {name} is not in {path}: run `controller lock --fleet {fleet_path} --update` "
-                            "(or provision it without --locked) to add it")
-    for name, entry in fresh_entries(fleet, names, inventory).items():
-        check_box(lock, name, entry, fleet_path, path)
-    return lock
 
 
 @dataclass

@@ -46,10 +46,11 @@ An engine pack the catalog pins no sha256 for is locked with the sha256 its mirr
 (the file the box checks the pack against), so a changed SHA256SUMS is a difference too.
 
 Layout of this module: the model, then pure build/compare functions, then reading and writing the file
-(``read_lock``, ``record``: a read-modify-write under a flock on the fleet file). The stages that probe and
-plan boxes for it (``fresh_entries``, ``check_locked``, ``lock_fleet``) live in ``controller.actions.fleetrun``, beside
-``probe_and_plan``, so this module stays below everything that reads it. ``controller status`` compares a box against ``read_lock(...)
-.boxes[name]`` (``BoxLock``).
+(``read_lock``; ``guard``, what provisioning checks before it touches a box; ``record``: a read-modify-write under
+a flock on the fleet file). It probes and plans nothing: ``controller.actions.provision`` guards the lock before a
+run and records the boxes that ran after it, and ``controller lock`` (``lock_fleet``) plans boxes in
+``controller.actions.fleetrun``, beside ``probe_and_plan``, so this module stays below everything that reads it.
+``controller status`` compares a box against ``read_lock(...).boxes[name]`` (``BoxLock``).
 """
 
 from __future__ import annotations
@@ -75,7 +76,10 @@ from controller.model.profile import HardwareProfile
 from controller.model.serveplan import ServePlan
 
 LOCK_VERSION = 1
-TEMPLATE_FILES = Path(__file__).resolve().parents[2] / "ansible_collections/v100box/llm/roles" / "llama_service" / "files" / "chat-templates"
+# The chat templates llama_service installs, in the collection beside the package (a clone's, or the one a wheel put
+# in site-packages).
+TEMPLATE_FILES = (Path(__file__).resolve().parents[2] / "ansible_collections" / "v100box" / "llm" / "roles"
+                  / "llama_service" / "files" / "chat-templates")
 # The fields of a fleet box that change what is installed on it; the others say how to reach it, or (mirror) where
 # the bytes come from, which the checksums pin.
 DEFINITION_FIELDS = ("os", "models", "agents", "model_dir", "bind", "allow_from", "base_port", "driver",
@@ -374,6 +378,28 @@ def held(fleet_path: Path) -> Iterator[None]:
         os.close(fd)
 
 
+def guard(fleet: Fleet, fleet_path: Path, names: list[str], *, locked: bool, path: Path | None = None) -> Lock | None:
+    """Before provisioning touches any box. With ``locked``: the lock must be there, be this fleet's and name every
+    box of ``names``; it is returned, and each box's fresh entry is then compared with ``check_box``. Without it:
+    only a lock written for another fleet file is refused (provisioning will record into it); returns None."""
+    path = path or lock_path(fleet_path)
+    existing = read_lock(path)
+    if not locked:
+        if existing is not None:
+            check_fleet_file(existing, fleet, fleet_path, path)
+        return None
+    if existing is None:
+        raise LockError(f"{fleet_path} has no lock ({path}): run `controller lock --fleet {fleet_path}` "
+                        "(or provision without --locked) to write one")
+    check_fleet(existing, fleet, fleet_path, path)
+    for name in names:
+        fleet.box(name)
+        if name not in existing.boxes:
+            raise LockError(f"box {name} is not in {path}: run `controller lock --fleet {fleet_path} --update` "
+                            "(or provision it without --locked) to add it")
+    return existing
+
+
 def record(path: Path, fleet: Fleet, fleet_path: Path, entries: Mapping[str, BoxLock]) -> list[str]:
     """Write ``entries`` into the lock at ``path`` (creating it); returns what changed."""
     with held(fleet_path):
@@ -387,8 +413,8 @@ def record(path: Path, fleet: Fleet, fleet_path: Path, entries: Mapping[str, Box
 
 
 
-# The stages: probe and plan boxes (no change to them) and compare or record. These call controller.actions.provision and
-# controller.actions.fleetrun; everything above is pure.
+# A box's entry as provisioning records it: the pure entry, with the sha256 an engine mirror's SHA256SUMS gives a pack
+# the catalog pins none for (the one read of the network here).
 
 def entry_for(box: Box, profile: HardwareProfile | None, plan: ServePlan) -> BoxLock:
     entry = box_entry(box, profile, plan, template_digests({s.template for s in plan.services if s.template}))
@@ -422,22 +448,3 @@ def sha256_from_sums(url: str, file: str, timeout: float = 30.0) -> str:
         raise LockError(f"{url} lists no sha256 for {file}: fix the mirror's SHA256SUMS, or pin the pack's sha256 "
                         "in a catalog file")
     return digest
-
-
-def record_rendered(fleet: Fleet, fleet_path: Path, inventory: Path, names: list[str], path: Path | None = None,
-                    ) -> list[str]:
-    """After an unlocked run: write the entries of ``names`` from their rendered probe and plan (what was installed).
-
-    Returns what changed in the lock."""
-    entries = {}
-    for name in names:
-        try:
-            plan = ServePlan.model_validate_json((inventory / "plans" / f"{name}.json").read_bytes())
-        except (OSError, ValueError):
-            continue  # never rendered: nothing was installed from a plan
-        try:
-            profile = HardwareProfile.model_validate_json((inventory / "probes" / f"{name}.json").read_bytes())
-        except (OSError, ValueError):
-            profile = None
-        entries[name] = entry_for(fleet.box(name), profile, plan)
-    return record(path or lock_path(fleet_path), fleet, fleet_path, entries) if entries else []

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from controller.errors import ControllerError, RunError, SealRefused
-from controller.files import inventory_lock
+from controller.inventory import Inventory, handed_over, sealed_at
 from controller.model.fleet import Box, Fleet, check_api_key
 from controller.model.serveplan import ServePlan
 
@@ -34,29 +34,9 @@ class BoxSealed(ControllerError, exit_code=10):
     """The box was sealed and handed over to its buyer: its keys are the buyer's, and the builder's no longer open it."""
 
 
-def sealed_at(report: Mapping[str, Any]) -> str | None:
-    """When the report's box was sealed (None: not sealed)."""
-    seal = report.get("seal")
-    if isinstance(seal, Mapping):
-        return str(seal.get("sealed_at") or "an unrecorded time")
-    return None
-
-
-def sealed_box(inventory: Path, box_name: str) -> str | None:
-    """When this inventory sealed the box (its certification report records the seal); None: it did not."""
-    from controller.actions.certify import read_report
-
-    return sealed_at(read_report(inventory, box_name) or {})
-
-
-def handed_over(when: str) -> str:
-    """What every command that would need the builder's access says about a sealed box."""
-    return f"sealed at {when} and handed over to its buyer"
-
-
 def refuse_sealed(inventory: Path, box_name: str, why: str) -> None:
     """Raise BoxSealed for a box this inventory sealed; ``why`` says what the command cannot do about it."""
-    when = sealed_box(inventory, box_name)
+    when = Inventory(inventory).sealed_at(box_name)
     if when is not None:
         raise BoxSealed(f"box {box_name} was {handed_over(when)}: {why}")
 
@@ -116,33 +96,33 @@ def seal(fleet: Fleet, fleet_path: Path, box_name: str, inventory: Path, buyer_d
          on_event: Any = None) -> dict[str, Any]:
     """Seal one certified box; returns ``{box, sealed, already, sealed_at, changed, reports, buyer_report}``.
 
-    Raises SealRefused (before any connection) for a box not certified, or one seal cannot hand over; RunError
+    Raises SealRefused (before any connection) for a box not certified, or one seal cannot hand over, NotRendered
+    for one this inventory has no plan for; RunError
     after the seal is recorded and the buyer's copy written when its last step could not do everything (it says
     what to do by hand).
     """
-    from controller.actions.certify import read_report, report_path
-    from controller.actions.provision import rendered_plan
     from controller.reports.certify import write_buyer_copy, write_reports
     from controller.stages.render import connection_secrets
     from controller.stages.runner import run_playbook
 
     box = fleet.box(box_name)
     certify_command = f"controller certify {box.name} --fleet {fleet_path}"
-    with inventory_lock(inventory, f"seal {box.name}"):
-        report = read_report(inventory, box.name)
+    folder = Inventory(inventory)
+    with folder.mutex(f"seal {box.name}"):
+        report = folder.certify_report(box.name)
         already = sealed_at(report or {})
         if report is not None and already is not None:
             return {"box": box.name, "sealed": True, "already": True, "sealed_at": already,
                     "changed": list(report["seal"].get("changed") or []),
-                    "reports": report.get("reports") or {"json": str(report_path(inventory, box.name))},
+                    "reports": report.get("reports") or {"json": str(folder.certify_files(box.name)["json"])},
                     "buyer_report": None}
         check_certified(box, report, certify_command)
         check_sealable(box)
-        plan = rendered_plan(inventory, box.name)
-        if plan is None or not plan.services:
-            raise SealRefused(f"box {box.name} has no rendered plan in {inventory}; provision and certify it from this "
-                              f"inventory (`controller provision {box.name} --fleet {fleet_path}`, then "
-                              f"`{certify_command}`)")
+        plan = folder.plan(box.name)
+        if not plan.services:
+            raise SealRefused(f"box {box.name} has no planned server in {inventory} to rotate a key of; provision and "
+                              f"certify it from this inventory (`controller provision {box.name} --fleet {fleet_path}`, "
+                              f"then `{certify_command}`)")
         keys = new_keys(plan)
         when = dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat()
         run = run_playbook(PLAYBOOK, inventory=inventory, limit=box.name,
@@ -155,7 +135,7 @@ def seal(fleet: Fleet, fleet_path: Path, box_name: str, inventory: Path, buyer_d
         # The buyer's copy first: it is the only place the new keys live once this process ends.
         buyer_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         buyer = write_buyer_copy(buyer_dir, report, keys)
-        reports = write_reports(inventory / "reports", report)
+        reports = write_reports(folder, report)
     if left:
         raise RunError(f"box {box.name} was sealed at {when} (the buyer's copy: {buyer['markdown']}), but its last step "
                        f"could not {'; '.join(left)}: do that at the box's console")

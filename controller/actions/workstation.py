@@ -16,15 +16,14 @@ import re
 from pathlib import Path
 from typing import Any
 
-from controller.actions.clients import box_api_key, load_plan, role_services
+from controller.actions.clients import box_api_key
 from controller.errors import FleetError
-from controller.files import inventory_lock, write_atomic
+from controller.inventory import Inventory
+from controller.model.clients import role_services
 from controller.model.fleet import Fleet, Workstation
 from controller.stages.render import _yaml, connection_secrets, connection_vars
 from controller.stages.runner import EventHandler, RunResult, run_playbook
-from controller.stages.transports.known_hosts import known_hosts_file
 
-HOSTS_FILE = "workstations.yml"
 GROUP = "workstations"
 
 
@@ -39,7 +38,7 @@ def workstation_vars(fleet: Fleet, station: Workstation, inventory: Path) -> dic
     scripts: dict[str, str] = {}
     for name in station.boxes:
         box = fleet.box(name)
-        for service in role_services(box, load_plan(inventory, box), key=box.name):
+        for service in role_services(box, Inventory(inventory).plan(box.name), key=box.name):
             script = script_name(service["model"])
             if script in scripts:
                 raise FleetError(f"workstation {station.name}: boxes {scripts[script]} and {name} both serve "
@@ -66,13 +65,10 @@ def hosts_yml(fleet: Fleet, known_hosts: Path | None = None) -> dict[str, Any]:
 
 def render_workstation(inventory: Path, fleet: Fleet, station: Workstation) -> list[Path]:
     """Write the workstation's host_vars and workstations.yml (every workstation of the fleet)."""
-    files = {
-        inventory / "host_vars" / f"{station.name}.yml": _yaml(workstation_vars(fleet, station, inventory)),
-        inventory / HOSTS_FILE: _yaml(hosts_yml(fleet, known_hosts_file(inventory.resolve()))),
-    }
-    for path, text in files.items():
-        write_atomic(path, text)
-    return list(files)
+    folder = Inventory(inventory)
+    host_vars = _yaml(workstation_vars(fleet, station, inventory))  # refuses a box without a plan before any write
+    return [folder.write_host_vars(station.name, host_vars),
+            folder.write_workstations(_yaml(hosts_yml(fleet, Inventory(inventory.resolve()).known_hosts_file)))]
 
 
 def _record_host_key(station: Workstation, inventory: Path) -> None:
@@ -82,7 +78,7 @@ def _record_host_key(station: Workstation, inventory: Path) -> None:
         return
     from controller.stages.transports import open_transport
 
-    transport = open_transport(station, known_hosts=known_hosts_file(inventory))  # type: ignore[arg-type]
+    transport = open_transport(station, known_hosts=Inventory(inventory).known_hosts_file)  # type: ignore[arg-type]
     try:
         transport.run("true")
     finally:
@@ -97,11 +93,12 @@ def provision_workstation(fleet: Fleet, name: str, inventory: Path, on_event: Ev
         raise FleetError(f"workstation {name}: Windows workstations are not wired yet; run `controller clients BOX` "
                          f"and paste its environment, or use the box's own claude-<model>.ps1")
     secrets = workstation_secrets(fleet, station)  # unreadable secrets refuse before anything is written
-    with inventory_lock(inventory, f"clients {name}"):
+    folder = Inventory(inventory)
+    with folder.mutex(f"clients {name}"):
         render_workstation(inventory, fleet, station)
         _record_host_key(station, inventory)
         result = run_playbook("clients.yml", inventory=inventory, limit=name, secrets=secrets, on_event=on_event,
-                              hosts_file=HOSTS_FILE)
+                              hosts_file=folder.workstations_file)
     services = workstation_vars(fleet, station, inventory)["agent_clients_services"]
     report = {"workstation": name, "accounts": station.wired_accounts,
               "services": [{"box": service["box"], "model": service["model"],

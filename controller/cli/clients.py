@@ -11,8 +11,8 @@ from pathlib import Path
 
 import click
 
-from controller.actions.clients import CLIENTS
 from controller.cli.options import fleet_option, inventory_for, inventory_option, json_option, load
+from controller.model.clients import CLIENTS
 
 
 @click.command()

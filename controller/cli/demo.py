@@ -47,8 +47,9 @@ def demo(boxes: int, down: bool, as_json: bool) -> None:
         return
 
     from controller.actions.provision import provision
-    from controller.cli.lock import note as lock_note
     from controller.cli.progress import Progress
+    from controller.cli.provision import lock_note
+    from controller.inventory import Inventory
     from controller.model.fleet import load_fleet
     from controller.reports.provision import markdown
 
@@ -59,10 +60,14 @@ def demo(boxes: int, down: bool, as_json: bool) -> None:
     with lab.demo_fleet(removed=removed) as fleet_path:
         say_removed(removed, [lab.DEMO_BOX], as_json)
         fleet = load_fleet(fleet_path)
-        report, result = provision(fleet, lab.DEMO_BOX, fleet_path.parent / "inventory", progress)
-    progress.summary(result)
-    # As `controller provision` does: the lock records what the box runs (and drops boxes an earlier --boxes left).
-    lock_note(fleet, fleet_path, fleet_path.parent / "inventory", [lab.DEMO_BOX], as_json)
+        # As `controller provision` does: the lock records what the box runs (and drops boxes an earlier --boxes
+        # left).
+        done = provision(fleet, [lab.DEMO_BOX], Inventory.beside(fleet_path).root, fleet_path=fleet_path,
+                         raise_failures=True, on_event=progress)
+    if done.run is not None:
+        progress.summary(done.run)
+    lock_note(done, as_json)
+    report = done.reports[lab.DEMO_BOX]
     if as_json:
         click.echo(json.dumps({"type": "report", **report}))
     else:
@@ -84,6 +89,7 @@ def demo(boxes: int, down: bool, as_json: bool) -> None:
 def demo_fleet(lab: ModuleType, boxes: int, as_json: bool) -> None:
     """``controller demo --boxes N``: N demo boxes in one fleet file, provisioned by one run."""
     from controller.cli.provision import provision_fleet
+    from controller.inventory import Inventory
     from controller.model.fleet import load_fleet
 
     if not as_json:
@@ -93,8 +99,8 @@ def demo_fleet(lab: ModuleType, boxes: int, as_json: bool) -> None:
         fleet = load_fleet(fleet_path)
         say_removed(removed, list(fleet.boxes), as_json)
         try:
-            provision_fleet(fleet, sorted(fleet.boxes, key=_box_order), fleet_path.parent / "inventory", as_json,
-                            lock_for=fleet_path)
+            provision_fleet(fleet, sorted(fleet.boxes, key=_box_order), Inventory.beside(fleet_path).root, as_json,
+                            fleet_path)
         finally:
             if not as_json:
                 click.echo(f"Fleet file and inventory: {fleet_path.parent}")

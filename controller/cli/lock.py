@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 
 from controller.cli.options import fleet_option, inventory_for, inventory_option, json_option, load
 from controller.errors import LockError
-
-if TYPE_CHECKING:
-    from controller.model.fleet import Fleet
 
 
 @click.command()
@@ -42,31 +38,3 @@ def lock(boxes: tuple[str, ...], fleet_path: Path, inventory: Path | None, updat
     if not current:
         raise LockError(f"{outcome.path} differs from what the boxes plan to now ({outcome.changes[0]}); run "
                         f"`controller lock --fleet {fleet_path} --update` to accept it")
-
-
-def guard(fleet: Fleet, fleet_path: Path, names: list[str], inventory: Path, locked: bool) -> None:
-    """Before ``provision`` touches any box: with --locked, refuse whatever differs from the lock; without it,
-    refuse only a lock that belongs to another fleet file (provisioning will write into it)."""
-    from controller.actions.fleetrun import check_locked
-    from controller.actions.lock import check_fleet_file, lock_path, read_lock
-
-    if locked:
-        check_locked(fleet, fleet_path, names, inventory)
-        return
-    existing = read_lock(lock_path(fleet_path))
-    if existing is not None:
-        check_fleet_file(existing, fleet, fleet_path, lock_path(fleet_path))
-
-
-def note(fleet: Fleet, fleet_path: Path, inventory: Path, names: list[str], as_json: bool) -> None:
-    """After an unlocked ``provision``: write what the boxes run into the lock and say what changed."""
-    from controller.actions.lock import lock_path, record_rendered
-
-    if not names:
-        return
-    changed = record_rendered(fleet, fleet_path, inventory, names)
-    path = lock_path(fleet_path)
-    if as_json:
-        click.echo(json.dumps({"type": "lock", "lock": str(path), "changes": changed}))
-    elif changed:
-        click.echo(f"{path}: " + "; ".join(changed))

@@ -29,7 +29,9 @@ def box_command(function):
 
 
 def inventory_for(fleet_path: Path, inventory: Path | None) -> Path:
-    return inventory if inventory is not None else fleet_path.resolve().parent / "inventory"
+    from controller.inventory import Inventory
+
+    return inventory if inventory is not None else Inventory.beside(fleet_path).root
 
 
 def load(fleet_path: Path) -> Fleet:

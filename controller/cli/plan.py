@@ -110,18 +110,19 @@ def _plan_profile(profile_path: Path, models: tuple[str, ...], ctx: int | None, 
 
 
 def _plan_box(box_name: str, fleet_path: Path, headers: dict[str, str]) -> ServePlan:
-    from controller.actions.provision import add_gateway, box_and_catalog
-    from controller.cli.options import inventory_for
+    from controller.actions.fleetrun import add_gateway, check_selection
+    from controller.inventory import Inventory
     from controller.model.fleet import load_fleet
     from controller.stages.planner import plan_box
     from controller.stages.probe.collect import probe_box  # the transports pull in fabric and pywinrm
-    from controller.stages.transports.known_hosts import beside_fleet
 
     fleet = load_fleet(fleet_path)
-    box, catalog = box_and_catalog(fleet, box_name)  # unknown model ids fail before any connection
-    profile, _raw, _seconds = probe_box(box, known_hosts=beside_fleet(fleet_path))
+    catalog = check_selection(fleet, [box_name])  # unknown model ids fail before any connection
+    box = fleet.box(box_name)
+    default = Inventory.beside(fleet_path)  # plan takes no --inventory: the default one's host keys and plans
+    profile, _raw, _seconds = probe_box(box, known_hosts=default.known_hosts_file)
     plan = plan_box(box, profile, catalog, headers=headers)
-    add_gateway(fleet, box, plan, inventory_for(fleet_path, None))  # other boxes' plans: the default inventory
+    add_gateway(fleet, box, plan, default.root)  # over the other boxes' rendered plans
     return plan
 
 

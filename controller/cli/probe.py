@@ -33,11 +33,12 @@ def _from_dir(folder: Path, model_dir: str | None) -> HardwareProfile:
 def _from_box(name: str, fleet_path: Path | None) -> HardwareProfile:
     if fleet_path is None:
         raise FleetError(f"probing box {name!r} needs the fleet file that says how to reach it: add --fleet FILE")
+    from controller.inventory import Inventory
     from controller.model.fleet import load_fleet
     from controller.stages.probe.collect import probe_box  # the transports pull in fabric and pywinrm
-    from controller.stages.transports.known_hosts import beside_fleet
 
-    profile, _raw, _seconds = probe_box(load_fleet(fleet_path).box(name), known_hosts=beside_fleet(fleet_path))
+    known_hosts = Inventory.beside(fleet_path).known_hosts_file  # the default inventory's: probe takes no --inventory
+    profile, _raw, _seconds = probe_box(load_fleet(fleet_path).box(name), known_hosts=known_hosts)
     return profile
 
 

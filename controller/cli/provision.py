@@ -9,12 +9,11 @@ from typing import TYPE_CHECKING
 
 import click
 
-from controller.cli.lock import guard as lock_guard
-from controller.cli.lock import note as lock_note
 from controller.cli.options import box_command, fleet_option, inventory_for, inventory_option, json_option, load
 from controller.errors import FleetRunError, PlanError, VerifyError
 
 if TYPE_CHECKING:
+    from controller.actions.fleetrun import FleetRun
     from controller.model.fleet import Fleet
 
 
@@ -42,21 +41,25 @@ def provision(boxes: tuple[str, ...], everything: bool, fleet_path: Path, invent
         provision_workstation(fleet, boxes[0], target, as_json)
         return
     if everything or len(boxes) != 1 or (boxes[0] in fleet.groups and boxes[0] not in fleet.boxes):
-        names = fleet.select(boxes, everything)
-        lock_guard(fleet, fleet_path, names, target, locked)  # before any box is touched
-        provision_fleet(fleet, names, target, as_json, None if locked else fleet_path)
+        provision_fleet(fleet, fleet.select(boxes, everything), target, as_json, fleet_path, locked=locked)
         return
-    box = boxes[0]
-    lock_guard(fleet, fleet_path, [box], target, locked)
+    provision_box(fleet, boxes[0], target, as_json, fleet_path, locked=locked)
+
+
+def provision_box(fleet: Fleet, box: str, inventory: Path, as_json: bool, fleet_path: Path,
+                  locked: bool = False) -> None:
+    """One box: a line per task, the run's summary, then its report; its own error and exit code when it fails."""
     from controller.actions.provision import provision as run_provision
     from controller.cli.progress import Progress
     from controller.reports.provision import markdown, not_as_asked
 
     progress = Progress(as_json=as_json)
-    report, result = run_provision(fleet, box, target, progress)
-    progress.summary(result)
-    if not locked:
-        lock_note(fleet, fleet_path, target, [box], as_json)  # provisioning writes the lock
+    done = run_provision(fleet, [box], inventory, fleet_path=fleet_path, locked=locked, raise_failures=True,
+                         on_event=progress)
+    if done.run is not None:
+        progress.summary(done.run)
+    lock_note(done, as_json)
+    report = done.reports[box]
     click.echo(json.dumps({"type": "report", **report}) if as_json else markdown(report))
     missing = not_as_asked(report)
     if not report["verified"]:  # a server that does not answer outranks a model that was not placed
@@ -66,20 +69,30 @@ def provision(boxes: tuple[str, ...], everything: bool, fleet_path: Path, invent
         raise PlanError(f"{box} is not provisioned as asked: {missing}; it serves the models that fit")
 
 
-def provision_fleet(fleet: Fleet, names: list[str], inventory: Path, as_json: bool,
-                    lock_for: Path | None = None) -> None:
-    """Provision several boxes at once (controller.actions.fleetrun): live lines per box, then the summary table."""
-    from controller.actions.fleetrun import failure_message, provision_many
+def provision_fleet(fleet: Fleet, names: list[str], inventory: Path, as_json: bool, fleet_path: Path | None,
+                    locked: bool = False) -> None:
+    """Provision several boxes at once: live lines per box, then the summary table; exit 8 when any failed."""
+    from controller.actions.fleetrun import failure_message
+    from controller.actions.provision import provision as run_provision
     from controller.cli.progress import FleetProgress
 
     with FleetProgress(names, as_json=as_json) as progress:
-        done = provision_many(fleet, names, inventory, on_event=progress, on_stage=progress.stage)
+        done = run_provision(fleet, names, inventory, fleet_path=fleet_path, locked=locked, on_event=progress,
+                             on_stage=progress.stage)
     progress.summary(done)
-    if lock_for is not None:  # the fleet file whose lock records what the boxes that ran now have
-        ran = [one.box for one in done.outcomes if one.result in ("ok", "not verified", "not as asked")]
-        lock_note(fleet, lock_for, inventory, ran, as_json)
+    lock_note(done, as_json)
     if done.failed:
         raise FleetRunError(failure_message(done))
+
+
+def lock_note(done: FleetRun, as_json: bool) -> None:
+    """What provisioning recorded in the fleet's lock for the boxes that ran, and what that changed."""
+    if done.lock_changes is None:
+        return
+    if as_json:
+        click.echo(json.dumps({"type": "lock", "lock": str(done.lock_file), "changes": done.lock_changes}))
+    elif done.lock_changes:
+        click.echo(f"{done.lock_file}: " + "; ".join(done.lock_changes))
 
 
 def provision_workstation(fleet: Fleet, name: str, inventory: Path, as_json: bool) -> None:
@@ -103,14 +116,16 @@ def provision_workstation(fleet: Fleet, name: str, inventory: Path, as_json: boo
 def render(box: str, fleet_path: Path, inventory: Path | None, as_json: bool) -> None:
     """Probe BOX and render its inventory without changing it (for plain ansible-playbook)."""
     from controller.actions.provision import prepare
+    from controller.inventory import Inventory
 
     target = inventory_for(fleet_path, inventory)
     prepared = prepare(load(fleet_path), box, target)
     if as_json:
         click.echo(json.dumps({"inventory": str(target), "plan": prepared.plan.model_dump(mode="json")}))
     else:
-        click.echo(f"Rendered {target}/hosts.yml and {target}/host_vars/{box}.yml; run:\n"
-                   f"  ansible-playbook -i {target}/hosts.yml playbooks/site.yml --limit {box}")
+        folder = Inventory(target)
+        click.echo(f"Rendered {folder.hosts_file} and {folder.host_vars_file(box)}; run:\n"
+                   f"  ansible-playbook -i {folder.hosts_file} playbooks/site.yml --limit {box}")
 
 
 @box_command

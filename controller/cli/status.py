@@ -24,11 +24,12 @@ def status(boxes: tuple[str, ...], everything: bool, fleet_path: Path, inventory
     provisioned), 6 a server is stopped or unhealthy, 9 drift only. A box this inventory sealed is named as
     handed over, not read, and changes no exit code.
     """
-    from controller.stages.verify.status import exit_code, run_status, to_json
+    from controller.actions.status import fleet_status
+    from controller.stages.verify.status import exit_code, to_json
 
     fleet = load(fleet_path)
     names = fleet.select(boxes, everything)
-    found = run_status(fleet, names, inventory_for(fleet_path, inventory), fleet_path)
+    found = fleet_status(fleet, fleet_path, names, inventory_for(fleet_path, inventory))
     if as_json:
         click.echo(json.dumps(to_json(found)))
     else:

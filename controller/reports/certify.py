@@ -25,13 +25,14 @@ import jinja2
 from markupsafe import Markup
 
 from controller.files import write_atomic
+from controller.inventory import Inventory
 
 PDF_TIMEOUT_S = 90
 EVENTS_SHOWN = 200  # thermal guard events listed in the page; the JSON report keeps them all
 WINDOW_REQUESTS = 5  # the burn-in's generation speed is shown as the median of each run of this many requests
 BROWSERS = ("chromium", "chromium-browser")
 DASH = "—"
-_SVG_LOCK = threading.Lock()  # rc_context changes matplotlib's process-wide settings while a plot is saved
+_SVG_MUTEX = threading.Lock()  # rc_context changes matplotlib's process-wide settings while a plot is saved
 TITLES = {"identity": "Identity", "installed": "Installed", "endpoints": "Endpoints", "throughput": "Throughput",
           "burn_in": "Burn-in", "burn-in": "Burn-in", "thermal": "Thermal guard", "thermal_guard": "Thermal guard",
           "power": "Power limits", "seal": "Seal", "gpu_memory": "GPU memory vs plan"}
@@ -655,7 +656,7 @@ def _svg(figure: Any, salt: str) -> str:
 
     buffer = io.StringIO()
     # Text stays text (the page's font); a salt per plot keeps the ids of two inline SVGs apart.
-    with _SVG_LOCK, matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": f"certify-{salt}"}):
+    with _SVG_MUTEX, matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": f"certify-{salt}"}):
         figure.savefig(buffer, format="svg", metadata={"Date": None})
     text = buffer.getvalue()
     return text[text.index("<svg"):]  # inline in HTML: no XML declaration or DOCTYPE
@@ -851,16 +852,14 @@ def print_pdf(html_path: Path, pdf_path: Path, timeout: float = PDF_TIMEOUT_S) -
     return None
 
 
-def write_reports(folder: Path, report: dict[str, Any]) -> dict[str, str | None]:
-    """Write ``<box>.certify.md``, ``.html`` and, when a Chromium prints it, ``.pdf``, then ``.json``.
+def write_reports(inventory: Inventory, report: dict[str, Any]) -> dict[str, str | None]:
+    """Write the box's certification report into the inventory: Markdown, HTML and, when a Chromium prints it, PDF,
+    then JSON (``Inventory.certify_files``).
 
     Sets ``report["reports"]`` (absolute paths; ``pdf`` null when none, ``pdf_note`` says why) before the
     JSON is written, so the JSON names its own files, and returns it. A PDF that fails is noted, never raised.
     """
-    folder = folder.resolve()
-    stem = f"{report['box']}.certify"
-    paths = {kind: folder / f"{stem}.{ext}" for kind, ext in
-             (("markdown", "md"), ("json", "json"), ("html", "html"), ("pdf", "pdf"))}
+    paths = inventory.certify_files(report["box"])
     write_atomic(paths["markdown"], markdown(report))
     write_atomic(paths["html"], html(report))
     note = print_pdf(paths["html"], paths["pdf"])

@@ -6,11 +6,10 @@ This module formats (JSON, Markdown); whether the box is verified is controller.
 from __future__ import annotations
 
 import datetime as dt
-import json
 from pathlib import Path
 from typing import Any
 
-from controller.files import write_atomic
+from controller.inventory import Inventory
 from controller.model.fleet import Box
 from controller.model.profile import HardwareProfile
 from controller.model.serveplan import ServePlan
@@ -181,9 +180,6 @@ def _auth_line(auth: dict[str, Any], name: str) -> str:
             f"{auth.get('wrong_key_status')}; clients read it from /etc/llama/keys/{name}.key on the box")
 
 
-def write_report(folder: Path, report: dict[str, Any]) -> tuple[Path, Path]:
-    json_path = folder / f"{report['box']}.json"
-    md_path = folder / f"{report['box']}.md"
-    write_atomic(json_path, json.dumps(report, indent=2) + "\n")
-    write_atomic(md_path, markdown(report))
-    return json_path, md_path
+def write_report(inventory: Inventory, report: dict[str, Any]) -> tuple[Path, Path]:
+    """Write the box's provisioning report into the inventory, as JSON and Markdown; returns both paths."""
+    return inventory.write_report(report, markdown(report))

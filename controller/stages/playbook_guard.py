@@ -1,6 +1,6 @@
 """What ansible-runner starts for controller.stages.runner: ansible-playbook, which must not outlive its controller.
 
-``python -I playbook_guard.py --parent PID --run-lock FILE --run-dir DIR -- ARGS...`` runs
+``python -I playbook_guard.py --parent PID --run-mutex FILE --run-dir DIR -- ARGS...`` runs
 ``ansible-playbook ARGS...`` and exits with its status. ansible-runner starts it on a pty in a session of its
 own (pexpect, SIGHUP ignored), so when the controller is killed nothing would stop the playbook: it went on
 re-parented to init, against a box a second controller was already provisioning. Here:
@@ -12,8 +12,8 @@ re-parented to init, against a box a second controller was already provisioning.
   (setsid), so they are no process group's members, but whatever of the run loses its parent comes back to
   the guard, and the run is every process below it;
 * ansible-playbook gets SIGKILL when the guard dies (killed with the controller, it cleans up nothing);
-* ansible-playbook and its workers (forked) hold the inventory's run lock shared, so a second controller
-  on the inventory waits until the last of them ended (controller.files.inventory_lock).
+* ansible-playbook and its workers (forked) hold the inventory's run mutex shared, so a second controller
+  on the inventory waits until the last of them ended (controller.inventory.Inventory.mutex).
 
 Stdlib only and started with ``-I``: it runs beside ansible-playbook, not inside the controller.
 """
@@ -125,10 +125,10 @@ def main(argv: list[str]) -> int:
     try:
         if os.getppid() != parent:
             raise _Orphaned  # the controller died before the guard could watch it
-        run_lock = os.open(options["--run-lock"], os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(run_lock, fcntl.LOCK_SH)
+        run_mutex = os.open(options["--run-mutex"], os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(run_mutex, fcntl.LOCK_SH)
         try:
-            child = subprocess.Popen(["ansible-playbook", *argv[split + 1:]], pass_fds=(run_lock,),
+            child = subprocess.Popen(["ansible-playbook", *argv[split + 1:]], pass_fds=(run_mutex,),
                                      preexec_fn=_die_with_guard)
         except OSError as error:
             print(f"cannot start ansible-playbook: {error}", flush=True)

@@ -1,11 +1,8 @@
 """Render a probe and a plan into an Ansible inventory a person can read and diff.
 
-Layout of the inventory folder::
-
-    hosts.yml               every box of the fleet, in groups by OS and (once probed) by GPU shape
-    host_vars/<box>.yml     what the roles install on that box
-    probes/<box>.json       the hardware profile the groups and the plan came from
-    plans/<box>.json        the serving plan, with its reasons
+It writes, through ``controller.inventory.Inventory`` (which owns the folder's layout), each box's
+``host_vars/<box>.yml`` (what the roles install on that box), its probe and its plan, and ``hosts.yml``: every box
+of the fleet, in groups by OS and (once probed) by GPU shape.
 
 Output is deterministic: the same fleet, profiles and plans give byte-identical files. Secrets are
 never written here: ``secrets_for`` names them, and the runner hands them to Ansible in a private file for the
@@ -15,23 +12,21 @@ length of a run.
 from __future__ import annotations
 
 import ipaddress
-import json
 import re
 import shlex
-import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from controller.actions.clients import role_services
 from controller.errors import CatalogError, PlanError
-from controller.files import write_atomic
+from controller.inventory import Inventory
+from controller.inventory import read_rendered as read_rendered  # how a rendered file reads back, beside its writer
+from controller.model.clients import role_services
 from controller.model.fleet import Box, Connection, Fleet, check_api_key
 from controller.model.profile import HardwareProfile
 from controller.model.rules import driver_window, is_v100
 from controller.model.serveplan import Download, DriverPlan, GatewayPlan, ServePlan, Service
-from controller.stages.transports.known_hosts import known_hosts_file
 
 HEADER = "# Rendered by `controller`; edit the fleet file and re-render rather than this file.\n"
 
@@ -68,18 +63,6 @@ def _represent_text(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
 
 _Dumper.add_representer(str, _represent_text)
 _Dumper.add_representer(_OperatorText, yaml.SafeDumper.represent_str)
-
-
-class RenderedLoader(yaml.SafeLoader):
-    """Reads what ``_yaml`` wrote, ``!unsafe`` strings included (as plain strings), without Ansible."""
-
-
-RenderedLoader.add_constructor("!unsafe", lambda loader, node: loader.construct_scalar(node))
-
-
-def read_rendered(text: str) -> Any:
-    """A rendered inventory file as data: the values Ansible sees, none of them evaluated."""
-    return yaml.load(text, Loader=RenderedLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def _operator_text(value: Any) -> Any:
@@ -461,23 +444,6 @@ def hosts_yml(fleet: Fleet, profiles: dict[str, HardwareProfile], known_hosts: P
     return {"all": {"children": {group: groups[group] for group in sorted(groups)}}}
 
 
-def load_profiles(inventory: Path) -> dict[str, HardwareProfile]:
-    """The saved probes of the inventory's boxes; an unreadable one is left out with a warning.
-
-    One box's damaged artefact must not stop the render of another: the box it belongs to keeps only
-    its OS group in hosts.yml until it is probed again.
-    """
-    profiles = {}
-    for path in sorted((inventory / "probes").glob("*.json")):
-        try:
-            profiles[path.stem] = HardwareProfile.model_validate_json(path.read_bytes())
-        except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
-            reason = getattr(exc, "strerror", None) or "not a `controller probe --json` profile"
-            print(f"warning: {path}: {reason}; {path.stem} keeps only its OS group in hosts.yml until "
-                  f"`controller render {path.stem}` probes it again", file=sys.stderr)
-    return profiles
-
-
 def render_box(inventory: Path, fleet: Fleet, box: Box, profile: HardwareProfile, plan: ServePlan | None,
                driver: DriverPlan | None = None) -> list[Path]:
     """Write this box's probe, plan and host_vars, then hosts.yml for the whole fleet.
@@ -486,19 +452,15 @@ def render_box(inventory: Path, fleet: Fleet, box: Box, profile: HardwareProfile
     ``driver``, and a plan left from an earlier render is removed, so the inventory never describes
     services the box will not get.
     """
-    plan_path = inventory / "plans" / f"{box.name}.json"
-    files = {inventory / "probes" / f"{box.name}.json": json.dumps(profile.model_dump(mode="json"), indent=2) + "\n"}
+    folder = Inventory(inventory)
+    host_vars_text = _yaml({k: v for k, v in host_vars(box, profile, plan, driver).items() if v is not None},
+                           box.vars)
+    written = [folder.write_probe(box.name, profile)]
     if plan is not None:
-        files[plan_path] = json.dumps(plan.model_dump(mode="json"), indent=2) + "\n"
-    files[inventory / "host_vars" / f"{box.name}.yml"] = _yaml(
-        {k: v for k, v in host_vars(box, profile, plan, driver).items() if v is not None}, box.vars)
-    if plan is None:
-        plan_path.unlink(missing_ok=True)
-    written = []
-    for path, text in files.items():
-        write_atomic(path, text)
-        written.append(path)
-    hosts = inventory / "hosts.yml"
-    write_atomic(hosts, _yaml(hosts_yml(fleet, load_profiles(inventory), known_hosts_file(inventory.resolve()))))
-    written.append(hosts)
+        written.append(folder.write_plan(box.name, plan))
+    else:
+        folder.remove_plan(box.name)
+    written.append(folder.write_host_vars(box.name, host_vars_text))
+    known_hosts = Inventory(inventory.resolve()).known_hosts_file
+    written.append(folder.write_hosts(_yaml(hosts_yml(fleet, folder.probes(), known_hosts))))
     return written

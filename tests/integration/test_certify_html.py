@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from controller.inventory import Inventory
 from controller.reports import certify as certify_report
 from tests.unit.test_certify_report import full_report
 
@@ -61,7 +62,7 @@ def _has_colour(image: Image.Image, colour: tuple[int, int, int], box: tuple[int
 
 
 def test_the_report_opens_in_chromium_and_prints_to_pdf(chromium, artifacts, tmp_path):
-    reports = certify_report.write_reports(tmp_path / "reports", full_report())
+    reports = certify_report.write_reports(Inventory(tmp_path), full_report())
     page = Path(reports["html"])
 
     png = artifacts / "box3.certify.png"
@@ -145,7 +146,7 @@ def issue21_report() -> dict:
 
 
 def test_at_1200_px_no_table_overflows_and_nothing_is_squeezed_to_a_letter(chromium, artifacts, tmp_path):
-    reports = certify_report.write_reports(tmp_path / "reports", issue21_report())
+    reports = certify_report.write_reports(Inventory(tmp_path), issue21_report())
     page = Path(reports["html"])
     png = artifacts / "box3.certify-1200.png"
     _screenshot(chromium, page, png, tmp_path / "profile", 9000)

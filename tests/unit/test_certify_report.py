@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from controller.inventory import Inventory
 from controller.reports import certify as certify_report
 
 SECTION_TITLES = ["Summary", "Not checked", "Identity", "Installed", "Endpoints", "Throughput", "GPU memory vs plan",
@@ -311,7 +312,7 @@ def test_no_plot_without_samples_and_the_report_says_why():
 def test_write_reports_names_its_files_in_the_json(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(certify_report, "browser", lambda: None)  # the PDF is the integration test's
     report = full_report()
-    paths = certify_report.write_reports(tmp_path / "reports", report)
+    paths = certify_report.write_reports(Inventory(tmp_path), report)
     folder = (tmp_path / "reports").resolve()
     assert paths == {"markdown": str(folder / "box3.certify.md"), "json": str(folder / "box3.certify.json"),
                      "html": str(folder / "box3.certify.html"), "pdf": None, "pdf_note": paths["pdf_note"]}
@@ -326,7 +327,7 @@ def test_the_buyer_copy_alone_holds_the_keys(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(certify_report, "browser", lambda: None)
     report = full_report()
     keys = {"gemma4-26b": "sk-buyer-0123456789abcdef", "qwen3-35b": "sk-buyer-fedcba9876543210"}
-    certify_report.write_reports(tmp_path, report)
+    certify_report.write_reports(Inventory(tmp_path), report)
     before = copy.deepcopy(report)
     copies = certify_report.write_buyer_copy(tmp_path, report, keys)
     assert report == before  # the report dict the JSON is written from never gains the keys
@@ -335,8 +336,8 @@ def test_the_buyer_copy_alone_holds_the_keys(tmp_path: Path, monkeypatch):
         text = Path(path).read_text()
         assert all(key in text for key in keys.values()) and "API keys" in text
         assert stat.S_IMODE(Path(path).stat().st_mode) == 0o600
-    for path in tmp_path.iterdir():
-        if not path.name.startswith("box3.buyer."):
+    for path in tmp_path.rglob("*"):
+        if path.is_file() and not path.name.startswith("box3.buyer."):
             assert not any(key in path.read_text() for key in keys.values()), path.name
 
 

@@ -53,12 +53,21 @@ def _fleet(tmp_path: Path) -> Path:
     return fleet
 
 
-def test_an_unverified_provision_prints_the_report_then_exits_6(tmp_path, monkeypatch):
+def _provisioned(monkeypatch, report: dict) -> None:
+    """The provision use case replaced: one box ran and its report says ``report``."""
+    from controller.actions.fleetrun import BoxOutcome, FleetRun
     from controller.stages.runner import RunResult
 
+    def provision(fleet, names, inventory, **kwargs):
+        run = RunResult("site.yml", "successful", 0, 1.0)
+        return FleetRun([BoxOutcome(names[0])], 1.0, 0.0, run, 1, {names[0]: report})
+
+    monkeypatch.setattr("controller.actions.provision.provision", provision)
+
+
+def test_an_unverified_provision_prints_the_report_then_exits_6(tmp_path, monkeypatch):
     report = {"verified": False, "services": []}
-    monkeypatch.setattr("controller.actions.provision.provision",
-                        lambda fleet, box, inventory, progress: (report, RunResult("site.yml", "successful", 0, 1.0)))
+    _provisioned(monkeypatch, report)
     result = invoke("provision", "box3", "--fleet", str(_fleet(tmp_path)), "--json")
     assert result.exit_code == 6, result.output
     assert json.loads(result.stdout.splitlines()[-1]) == {"type": "report", **report}
@@ -71,15 +80,12 @@ NOT_PLACED = {"model": "qwen3.5-122b-a10b-q8_0",
 
 
 def _partly_placed(monkeypatch, verified: bool = True) -> dict:
-    from controller.stages.runner import RunResult
-
     report = {"box": "box3", "address": "192.0.2.10", "generated": "2026-11-24T03:00:00+00:00",
               "hardware": {"gpus": [], "driver": None, "cpu": "x", "cores": 2, "memory_mib": 8192, "os": "Debian 12",
                            "warnings": [], "probe_seconds": 0.5},
               "run": None, "driver": {}, "cache": None, "services": [], "unplaced": [NOT_PLACED],
               "verified": verified, "provisioned_as_asked": False}
-    monkeypatch.setattr("controller.actions.provision.provision",
-                        lambda fleet, box, inventory, progress: (report, RunResult("site.yml", "successful", 0, 1.0)))
+    _provisioned(monkeypatch, report)
     return report
 
 

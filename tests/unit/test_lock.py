@@ -270,24 +270,19 @@ def test_a_damaged_lock_is_refused_with_what_to_do(tmp_path):
     assert refused.exit_code == 7 and "not a lock this controller writes" in refused.stderr
 
 
-def test_provisioning_records_the_rendered_plan_and_says_what_changed(tmp_path, mirror):
-    from controller.actions.lock import record_rendered
+def test_recording_a_provisioned_box_says_what_changed(tmp_path, mirror):
+    """What provisioning records for a box that ran (controller.actions.provision; tests/unit/test_provision.py)."""
+    from controller.actions.lock import record
 
     fleet, path, box, plan = planned(tmp_path, mirror=mirror)
-    inventory = tmp_path / "inventory"
-    (inventory / "plans").mkdir(parents=True)
-    (inventory / "probes").mkdir()
-    (inventory / "plans" / "box1.json").write_text(plan.model_dump_json())
-    (inventory / "probes" / "box1.json").write_text(CPU_PROFILE.model_dump_json())
-    assert record_rendered(fleet, path, inventory, ["box1", "never-rendered"]) == ["box1: added"]
+    assert record(lock_path(path), fleet, path, {"box1": entry_for(box, CPU_PROFILE, plan)}) == ["box1: added"]
     lock = read_lock(lock_path(path))
     assert set(lock.boxes) == {"box1"} and lock.boxes["box1"].driver.installed == "580.82.07"
     assert lock.boxes["box1"].engines["cpu-0c1e570"].sha256 == PACK_SHA
-    assert record_rendered(fleet, path, inventory, ["box1"]) == []
+    assert record(lock_path(path), fleet, path, {"box1": entry_for(box, CPU_PROFILE, plan)}) == []
 
     plan.services[0].args[plan.services[0].args.index("--ctx-size") + 1] = "4096"
-    (inventory / "plans" / "box1.json").write_text(plan.model_dump_json())
-    assert record_rendered(fleet, path, inventory, ["box1"]) == [
+    assert record(lock_path(path), fleet, path, {"box1": entry_for(box, CPU_PROFILE, plan)}) == [
         f"box1: service {plan.services[0].name}: arguments differ: --ctx-size: the lock has '2048', now '4096'"]
 
 

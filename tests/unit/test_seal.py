@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from controller.actions.seal import BoxSealed, changes, check_certified, check_sealable, new_keys, seal, sealed_at
-from controller.errors import FleetError, RunError, SealRefused
+from controller.errors import FleetError, NotRendered, RunError, SealRefused
 from controller.model.fleet import API_KEY_RULE, WantedModel, load_fleet
 from controller.stages.planner import plan_models
 from controller.stages.runner import RunResult
@@ -166,8 +166,8 @@ def test_refusals_come_before_any_run(tmp_path, fake_run):
     _certified(inventory, passed=False)
     with pytest.raises(SealRefused, match=r"failed its last certification \(burn-in\)"):
         seal(fleet, fleet_path, "box1", inventory, tmp_path / "buyer")
-    _certified(inventory)  # certified, but this inventory has no plan for it
-    with pytest.raises(SealRefused, match="no rendered plan"):
+    _certified(inventory)  # certified, but this inventory has no plan for it: the one "never rendered" error
+    with pytest.raises(NotRendered, match="has no plan for box1"):
         seal(fleet, fleet_path, "box1", inventory, tmp_path / "buyer")
     _certified(inventory, box="win")
     with pytest.raises(SealRefused, match="runs Windows"):

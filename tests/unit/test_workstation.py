@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.actions.clients import NotPlanned
-from controller.actions.workstation import HOSTS_FILE, render_workstation, workstation_secrets, workstation_vars
-from controller.errors import FleetError
+from controller.actions.workstation import render_workstation, workstation_secrets, workstation_vars
+from controller.errors import FleetError, NotRendered
+from controller.inventory import Inventory
 from controller.model.fleet import WantedModel, load_fleet
 from controller.stages.planner import plan_models
 from controller.stages.render import read_rendered
@@ -141,7 +141,7 @@ def test_rendered_inventory_carries_the_services_but_never_a_key(tmp_path):
     assert host_vars["agent_clients_users"] == ["alice", "bob"]
     for path in written:
         assert KEY not in path.read_text() and OTHER_KEY not in path.read_text()
-    hosts = read_rendered((inventory / HOSTS_FILE).read_text())
+    hosts = read_rendered(Inventory(inventory).workstations_file.read_text())
     desk = hosts["all"]["children"]["workstations"]["hosts"]["desk"]
     assert desk["ansible_host"] == "192.0.2.50" and desk["ansible_user"] == "ops"
     assert "StrictHostKeyChecking=yes" in desk["ansible_ssh_common_args"]
@@ -161,7 +161,7 @@ def test_two_boxes_serving_one_model_would_share_a_launch_script(tmp_path):
 
 def test_a_box_without_a_rendered_plan_is_named(tmp_path):
     fleet = _load(tmp_path, _fleet(tmp_path))
-    with pytest.raises(NotPlanned, match="no plan for box1; run `controller provision box1`"):
+    with pytest.raises(NotRendered, match="has no plan for box1: .*; run `controller provision box1`"):
         workstation_vars(fleet, fleet.workstation("desk"), tmp_path / "inventory")
 
 
@@ -171,7 +171,7 @@ def test_provision_of_a_workstation_refuses_bad_input_in_one_line_before_any_con
     _plan(tmp_path, "box1")
     done = run_controller("provision", "desk", "--fleet", str(_write(tmp_path, body)), timeout=60)
     assert_one_line_error(done, 2, "box box1 api_key", "16 to 256 printable ASCII characters")
-    assert not (tmp_path / "inventory" / HOSTS_FILE).exists()  # nothing half-written
+    assert not Inventory(tmp_path / "inventory").workstations_file.exists()  # nothing half-written
     body["workstations"]["desk"]["os"] = "windows"
     done = run_controller("provision", "desk", "--fleet", str(_write(tmp_path, body)), timeout=60)
     assert_one_line_error(done, 2, "workstation desk: Windows workstations are not wired yet")

@@ -1,4 +1,5 @@
-"""SSH host keys: one OpenSSH ``known_hosts`` file per inventory folder, shared by the probe and Ansible.
+"""SSH host keys: one OpenSSH ``known_hosts`` file per inventory folder (``Inventory.known_hosts_file``), shared by
+the probe and Ansible.
 
 The probe (paramiko) records a new box's key on first contact (trust on first use, said out loud) or the
 key the fleet file gives as ``host_key``; every later contact, by the probe and by Ansible's ssh
@@ -21,19 +22,7 @@ from paramiko.hostkeys import HostKeyEntry, InvalidHostKey
 
 from controller.errors import FleetError, TransportError
 
-FILE_NAME = "known_hosts"
-
 Notice = Callable[[str], None]
-
-
-def known_hosts_file(inventory: Path) -> Path:
-    return inventory / FILE_NAME
-
-
-def beside_fleet(fleet_path: Path) -> Path:
-    """The known_hosts file of the default inventory (``inventory/`` beside the fleet file), for the
-    commands that take no ``--inventory`` (probe, plan)."""
-    return known_hosts_file(fleet_path.resolve().parent / "inventory")
 
 
 def entry_name(address: str, port: int) -> str:
@@ -96,7 +85,8 @@ def lookup(path: Path, name: str) -> list[tuple[int, paramiko.PKey]]:
             if entry is not None and entry.key is not None and _matches(entry, name)]
 
 
-def _locked_update(path: Path, change: Callable[[list[str]], list[str]]) -> None:
+def _update_alone(path: Path, change: Callable[[list[str]], list[str]]) -> None:
+    """Rewrite the file's lines through ``change`` while holding it exclusively (probes of several boxes at once)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     with os.fdopen(fd, "r+") as handle:
@@ -125,7 +115,7 @@ def record(path: Path, name: str, key: paramiko.PKey, *, replace: bool = False) 
             kept.append(text)
         return [*kept, line]
 
-    _locked_update(path, change)
+    _update_alone(path, change)
 
 
 class HostKeyCheck(paramiko.MissingHostKeyPolicy):

@@ -5,7 +5,8 @@ runs the same role last. ``results`` reads what the checks answered from a run, 
 those answers and the plan, ``report_fields`` is what a report says of each service.
 """
 
-from controller.stages.verify.run import PLAYBOOK, NotRendered, run_verify
+from controller.errors import NotRendered
+from controller.stages.verify.run import PLAYBOOK, run_verify
 from controller.stages.verify.verdict import (
     STATS_KEY,
     ServiceVerdict,

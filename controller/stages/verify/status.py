@@ -16,12 +16,13 @@ served_model}], drift: [{what, detail, fix}]}]}``, extended (never renamed) with
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from controller.errors import NotRendered
+from controller.inventory import Inventory, handed_over, role_engine_roots
 from controller.model.fleet import Box, Fleet
 from controller.model.rules import DEFAULT_MODEL_DIR
 from controller.model.serveplan import ServePlan
@@ -227,8 +228,10 @@ def _gpus(plan: ServePlan, answers: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def box_status(box: Box, plan: ServePlan | None, answers: Mapping[str, Any] | None, *, fleet_path: str,
                locked: Any = None, unreachable: str = "", failed: str = "",
-               engine_root: str = "/opt/llama") -> BoxStatus:
-    """What one box runs against its plan and its lock entry (``locked``: a ``controller.actions.lock.BoxLock``)."""
+               engine_root: str | None = None) -> BoxStatus:
+    """What one box runs against its plan and its lock entry (``locked``: a ``controller.actions.lock.BoxLock``).
+
+    ``engine_root``: where the box's engines live (``Inventory.engine_root``; None: the llama_engine role's own)."""
     provision = _provision(box.name, fleet_path)
     if plan is None:
         return BoxStatus(box.name, False, error="never provisioned from this inventory (no rendered plan)",
@@ -267,7 +270,8 @@ def box_status(box: Box, plan: ServePlan | None, answers: Mapping[str, Any] | No
                                           f"{', '.join(differs)} differ from the lock's",
                                           f"{provision} --locked, or `controller lock --update` to accept the plan"))
     status.models, model_drift = _model_drift(plan, answers, locked, provision)
-    status.engines, engine_drift = _engine_drift(plan, answers, engine_root, locked, provision)
+    status.engines, engine_drift = _engine_drift(plan, answers, engine_root or role_engine_roots()[False], locked,
+                                                 provision)
     status.drift += model_drift + engine_drift
     engine_of = {row["id"]: f"{row['slot']} {row['running'] or '-'}" for row in status.engines}
     status.services = [ServiceStatus(**{**asdict(s), "engine": engine_of.get(service.engine, "")})
@@ -282,40 +286,19 @@ def box_status(box: Box, plan: ServePlan | None, answers: Mapping[str, Any] | No
     return status
 
 
-def _load_plan(inventory: Path, name: str) -> ServePlan | None:
-    path = inventory / "plans" / f"{name}.json"
-    try:
-        return ServePlan.model_validate(json.loads(path.read_text()))
-    except FileNotFoundError:
-        return None
-
-
-def rendered_engine_root(inventory: Path, name: str) -> str:
-    import yaml
-
-    try:
-        host_vars = yaml.safe_load((inventory / "host_vars" / f"{name}.yml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return "/opt/llama"
-    root = host_vars.get("llama_engine_root")
-    return root if isinstance(root, str) and "{" not in root else "/opt/llama"
-
-
-def _lock_entries(fleet_path: Path) -> dict[str, Any] | None:
-    from controller.actions.lock import lock_path, read_lock
-
-    lock = read_lock(lock_path(fleet_path))
-    return None if lock is None else dict(lock.boxes)
-
-
 def run_status(fleet: Fleet, names: Sequence[str], inventory: Path, fleet_path: Path,
-               on_event: EventHandler | None = None) -> list[BoxStatus]:
-    """Read every named box at once (one run of playbooks/status.yml) and compare each with its plan and lock."""
-    from controller.actions.seal import handed_over, sealed_box
-
-    plans = {name: _load_plan(inventory, name) for name in names}
-    sealed = {name: when for name in names if (when := sealed_box(inventory, name)) is not None}
-    lock = _lock_entries(fleet_path)
+               on_event: EventHandler | None = None, locked: Mapping[str, Any] | None = None) -> list[BoxStatus]:
+    """Read every named box at once (one run of playbooks/status.yml) and compare each with its plan and its lock
+    entry (``locked``: the fleet lock's entries by box, ``controller.actions.lock.BoxLock``; None: no lock)."""
+    folder = Inventory(inventory)
+    plans: dict[str, ServePlan | None] = {}
+    unreadable: dict[str, str] = {}
+    for name in names:
+        try:
+            plans[name] = folder.find_plan(name)
+        except NotRendered as damaged:
+            plans[name], unreadable[name] = None, str(damaged)
+    sealed = {name: when for name in names if (when := folder.sealed_at(name)) is not None}
     readable = [name for name in names
                 if plans[name] is not None and fleet.box(name).os == "linux" and name not in sealed]
     result: RunResult | None = None
@@ -335,12 +318,15 @@ def run_status(fleet: Fleet, names: Sequence[str], inventory: Path, fleet_path: 
             boxes.append(BoxStatus(name, False, sealed=sealed[name], error=f"{handed_over(sealed[name])}: the "
                                    "builder's SSH keys no longer open it, so status does not read it"))
             continue
+        if name in unreadable:
+            boxes.append(BoxStatus(name, False, error=unreadable[name]))
+            continue
         if plans[name] is not None and box.os != "linux":
             boxes.append(BoxStatus(name, False, error="status reads Linux boxes only; use `controller verify` on "
                                    "a Windows box"))
             continue
         boxes.append(box_status(box, plans[name], published.get(name), fleet_path=str(fleet_path),
-                                locked=(lock or {}).get(name) if lock is not None else None,
+                                locked=locked.get(name) if locked is not None else None,
                                 unreachable=unreachable.get(name, ""), failed=failed.get(name, ""),
-                                engine_root=rendered_engine_root(inventory, name)))
+                                engine_root=folder.engine_root(name)))
     return boxes

@@ -86,9 +86,10 @@ def test_down_removes_every_demo_container_and_nothing_else(monkeypatch):
 @pytest.fixture
 def demo_machine(tmp_path, monkeypatch):
     """`controller demo` in this process with the machine faked at its edges: containers are names in a list, the
-    download site is the lab's real one (its catalog and models; a stand-in engine pack, nothing runs it) and a run
-    renders each box's real plan into the inventory, as provisioning does, and reports it verified."""
-    from controller.actions import fleetrun, provision
+    download site is the lab's real one (its catalog and models; a stand-in engine pack, nothing runs it), the probe
+    finds a small CPU box, render writes each box's real plan and probe into the inventory, and the run reports
+    every box verified. The provision use case between those edges, the fleet lock's record included, is real."""
+    from controller.actions import provision
     from controller.stages.runner import RunResult
 
     folder = tmp_path / "demo"
@@ -107,23 +108,21 @@ def demo_machine(tmp_path, monkeypatch):
     monkeypatch.setattr(demo, "FileServer", lambda root: contextlib.nullcontext(FakeServer()))
     hardware = HardwareProfile(cpu=Cpu(cores=2, threads=2), memory_mib=8192, os=OsInfo(family="linux"))
 
-    def render(fleet, name, inventory):
-        plan = plan_box(fleet.box(name), hardware, load_catalog(fleet.catalogs))
-        for kind, body in (("plans", plan), ("probes", hardware)):
+    def render_box(inventory, fleet, box, profile, plan):
+        assert plan == plan_box(box, hardware, load_catalog(fleet.catalogs))
+        for kind, body in (("plans", plan), ("probes", profile)):
             (inventory / kind).mkdir(parents=True, exist_ok=True)
-            (inventory / kind / f"{name}.json").write_text(body.model_dump_json())
+            (inventory / kind / f"{box.name}.json").write_text(body.model_dump_json())
 
-    def provision_one(fleet, name, inventory, progress):
-        render(fleet, name, inventory)
-        return {"box": name, "verified": True, "services": []}, RunResult("site.yml", "successful", 0, 0.1)
+    def finish(item, run, seconds, inventory, outcome):
+        outcome.result, outcome.verified = "ok", True
+        return {"box": item.box.name, "verified": True, "services": []}
 
-    def provision_many(fleet, names, inventory, **_events):
-        for name in names:
-            render(fleet, name, inventory)
-        return fleetrun.FleetRun([fleetrun.BoxOutcome(name, "ok", verified=True) for name in names], 0.1, 0.0)
-
-    monkeypatch.setattr(provision, "provision", provision_one)
-    monkeypatch.setattr(fleetrun, "provision_many", provision_many)
+    monkeypatch.setattr("controller.stages.probe.collect.probe_box",
+                        lambda box, known_hosts=None: (hardware, {}, 0.1))
+    monkeypatch.setattr(provision, "render_box", render_box)
+    monkeypatch.setattr(provision, "run_playbook", lambda playbook, **_run: RunResult(playbook, "successful", 0, 0.1))
+    monkeypatch.setattr(provision, "finish", finish)
     return folder, running
 
 

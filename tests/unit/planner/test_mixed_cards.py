@@ -14,7 +14,7 @@ import jinja2
 import pytest
 import yaml
 
-from controller.actions.provision import box_and_catalog
+from controller.actions.fleetrun import check_selection
 from controller.errors import CatalogError, PlanError
 from controller.model import rules
 from controller.model.catalog import Catalog, load_catalog
@@ -273,7 +273,7 @@ def test_a_fleet_may_name_the_engine_and_let_a_model_mix_cards(tmp_path):
     with pytest.raises(CatalogError, match="unknown engine id 'upstream-sm86-02182fc'"):
         plan_box(fleet.box("b"), profile(EPYC), catalog())
     with pytest.raises(CatalogError, match="unknown engine id 'upstream-sm86-02182fc'; the catalog has: cpu-0c1e570"):
-        box_and_catalog(fleet, "b")  # before any connection to the box
+        check_selection(fleet, ["b"])  # before any connection to the box
 
 
 # ---------------------------------------------------------------- the driver window over every card
