@@ -6,8 +6,11 @@ through it the roles) takes these values from here; a role never restates them.
 
 from __future__ import annotations
 
-import ipaddress
 from typing import Literal
+
+# The host a URL names to reach a server from its own box (a wildcard bind: loopback; IPv6: bracketed). The roles
+# (filter v100box.llm.reachable_host) and llama_burn_in on the box apply the same rule: one copy, in the collection.
+from ansible_collections.v100box.llm.plugins.module_utils.hosts import reachable_host as reachable_host
 
 OsName = Literal["linux", "windows"]
 
@@ -110,20 +113,3 @@ def box_path(os: str, folder: str, name: str) -> str:
     """A file in a folder on a box of that OS: Windows paths are joined with backslashes."""
     sep = "\\" if os == "windows" else "/"
     return folder.rstrip("/\\") + sep + name
-
-
-def reachable_host(bind: str) -> str:
-    """The host part of a URL that reaches a server bound to ``bind`` from the box itself.
-
-    A wildcard bind is reached on loopback of the same family; an IPv6 address is bracketed.
-    """
-    text = str(bind).strip().strip("[]")
-    if text in ("", "0.0.0.0"):
-        return "127.0.0.1"
-    if text == "::":
-        return "[::1]"
-    try:
-        address = ipaddress.ip_address(text)
-    except ValueError:
-        return text  # a host name
-    return f"[{address}]" if address.version == 6 else str(address)

@@ -9,11 +9,11 @@ whole environment in ``artifacts/<id>/command``, and an operator's shell holds o
 SSH host keys are checked against the inventory's ``known_hosts`` (the file the probe records into),
 strictly. Ctrl-C (or SIGTERM) during a run stops ansible-playbook (SIGINT to its process group, then
 SIGKILL after a grace period) and raises RunInterrupted naming the last task started. One run at a
-time per inventory folder (controller.files.inventory_lock).
+time per inventory folder (its mutex, controller.inventory.Inventory.mutex).
 
 A controller killed outright (SIGKILL, the OOM killer) takes its run with it: ansible-playbook runs under
 controller/stages/playbook_guard.py, which removes the run's private folder and kills the run when its parent dies,
-and holds the inventory's run lock with the run's processes, so a second controller waits for the last of
+and holds the inventory's run mutex with the run's processes, so a second controller waits for the last of
 them. A private folder whose controller died anyway is removed when the next run starts.
 """
 
@@ -39,12 +39,15 @@ from typing import Any
 import yaml
 
 from controller.errors import RunError, TransportError
-from controller.files import inventory_lock, run_lock_path
-from controller.stages.transports.known_hosts import forget_command, known_hosts_file
+from controller.inventory import Inventory
+from controller.stages.transports.known_hosts import forget_command
 
+# The folder holding controller/ and ansible_collections/: a clone's root, or site-packages where a wheel put both.
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PLAYBOOKS = PROJECT_ROOT / "ansible_collections/v100box/llm/playbooks"
 GUARD = Path(__file__).resolve().parent / "playbook_guard.py"
+# Every run's Ansible settings, shipped in the package: a run reads no ansible.cfg of a clone, the user or the system.
+RUN_CONFIG = Path(__file__).resolve().parents[1] / "data" / "ansible.cfg"
 RUN_FOLDER_PREFIX = "v100box-run-"
 UNMARKED_RUN_FOLDER_AGE_S = 3600  # a run folder without its owner's mark: an older controller's, or just begun
 
@@ -199,7 +202,7 @@ def ssh_env(inventory: Path) -> dict[str, str]:
     ANSIBLE_SSH_ARGS comes before any ansible_ssh_common_args on ssh's command line, and ssh keeps the
     first value of an option, so inventory variables cannot turn the check off.
     """
-    known = shlex.quote(str(known_hosts_file(inventory.resolve())))
+    known = shlex.quote(str(Inventory(inventory.resolve()).known_hosts_file))
     return {
         "ANSIBLE_HOST_KEY_CHECKING": "True",
         "ANSIBLE_SSH_ARGS": f"-o ControlMaster=auto -o ControlPersist=60s -o StrictHostKeyChecking=yes "
@@ -209,7 +212,7 @@ def ssh_env(inventory: Path) -> dict[str, str]:
 
 def _host_key_problem(host: str, message: str, inventory: Path) -> str | None:
     """A one-line reason for ssh's host-key refusals, which Ansible reports as a wall of @ signs."""
-    known = known_hosts_file(inventory.resolve())
+    known = Inventory(inventory.resolve()).known_hosts_file
     changed = re.search(r"Host key for (\S+) has changed", message)
     if changed:
         name = changed.group(1)
@@ -357,8 +360,8 @@ def _run_folder() -> Iterator[Path]:
 def guard_command(inventory: Path, run_folder: Path) -> list[str]:
     """The arguments (after ``sys.executable``) that start ansible-playbook under controller/stages/playbook_guard.py:
     the ansible-playbook arguments follow them."""
-    return ["-I", str(GUARD), "--parent", str(os.getpid()), "--run-lock", str(run_lock_path(inventory.resolve())),
-            "--run-dir", str(run_folder), "--"]
+    return ["-I", str(GUARD), "--parent", str(os.getpid()), "--run-mutex",
+            str(Inventory(inventory.resolve()).run_mutex_file), "--run-dir", str(run_folder), "--"]
 
 
 def base_env() -> dict[str, str]:
@@ -366,10 +369,11 @@ def base_env() -> dict[str, str]:
     bin_dir = str(Path(sys.executable).parent)
     return {
         "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "/usr/bin:/bin")]),
-        "ANSIBLE_CONFIG": str(PROJECT_ROOT / "ansible.cfg"),
-        "ANSIBLE_ROLES_PATH": str(PROJECT_ROOT / "ansible_collections/v100box/llm/roles"),
-        "ANSIBLE_LIBRARY": str(PROJECT_ROOT / "ansible_collections/v100box/llm/plugins" / "modules"),
-        "ANSIBLE_FILTER_PLUGINS": str(PROJECT_ROOT / "ansible_collections/v100box/llm/plugins" / "filter"),
+        "ANSIBLE_CONFIG": str(RUN_CONFIG),
+        # The roles, modules and filters are the collection v100box.llm in PROJECT_ROOT/ansible_collections; the
+        # collections it depends on come from the `ansible` package beside this Python (Python's path, searched
+        # after these), at its pinned versions: no user's or system's collections folder comes before them.
+        "ANSIBLE_COLLECTIONS_PATH": str(PROJECT_ROOT),
         "ANSIBLE_NOCOLOR": "1",
         # Reruns reuse a box's facts (OS family, package manager) for a day instead of gathering them
         # again; the cache is <inventory>/facts (run_playbook passes it as fact_cache).
@@ -410,7 +414,7 @@ def run_playbook(
     host_secrets: Mapping[str, Mapping[str, Any]] | None = None,
     forks: int | None = None,
     raise_on_failure: bool = True,
-    hosts_file: str = "hosts.yml",
+    hosts_file: Path | None = None,
 ) -> RunResult:
     """Run ``playbooks/<playbook>`` and return its result; raise RunError or TransportError on failure,
     RunInterrupted on Ctrl-C (after ansible-playbook stopped).
@@ -426,7 +430,8 @@ def run_playbook(
     if not path.is_file():
         raise RunError(f"playbook {path} does not exist")
     secrets = {key: value for key, value in (secrets or {}).items() if value}
-    artifact_root = artifact_root or inventory / "artifacts"
+    folder = Inventory(inventory)
+    artifact_root = artifact_root or folder.artifacts_folder
     artifact_root.mkdir(parents=True, exist_ok=True)
     data: dict[str, Any] = {}
     failed: list[FailedTask] = []
@@ -462,11 +467,10 @@ def run_playbook(
 
     started = time.monotonic()
     env = run_env(inventory)
-    with inventory_lock(inventory, f"ansible-playbook {playbook}"), _run_folder() as private, \
-            _Stopper() as stopper:
+    with folder.mutex(f"ansible-playbook {playbook}"), _run_folder() as private, _Stopper() as stopper:
         cmdline = guard_command(inventory, private)
-        # workstations.yml for playbooks/clients.yml; then, in a fleet run, the boxes' own secrets
-        sources = [str((inventory / hosts_file).resolve())]
+        # hosts.yml, or workstations.yml for playbooks/clients.yml; then, in a fleet run, the boxes' own secrets
+        sources = [str((hosts_file or folder.hosts_file).resolve())]
         if secrets:
             secrets_file = private / "secrets.yml"
             fd = os.open(secrets_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -498,7 +502,7 @@ def run_playbook(
                 cmdline=shlex.join(cmdline),
                 envvars=env,
                 # Joined onto the run's artifact dir; an absolute path keeps one cache per inventory.
-                fact_cache=str((inventory / "facts").resolve()),
+                fact_cache=str(folder.facts_folder.resolve()),
                 fact_cache_type="jsonfile",
                 event_handler=handle,
                 quiet=True,

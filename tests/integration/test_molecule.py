@@ -7,9 +7,14 @@ V100BOX_TOKEN_URL and V100BOX_LAB_TOKEN (the site over HTTPS behind a bearer tok
 throwaway certificate, which a prepare playbook copies into the target),
 V100BOX_MODEL_PATH / V100BOX_MODEL_SHA256 / V100BOX_MODEL_SIZE, V100BOX_SOURCE_SHA256, V100BOX_TEST_PORT,
 V100BOX_APT_URL (the stand-in NVIDIA driver repository, `python -m lab.aptrepo build DIR`),
-V100BOX_DRIVER_WINDOW (controller.model.rules.driver_window() as JSON: the roles take the window from the inventory) and
-V100BOX_TARGET_IMAGE. To run one by hand, serve a site with `python -m lab.fileserver` and export
-the same variables, then `cd roles/<role> && molecule test -s <scenario>`.
+V100BOX_DRIVER_WINDOW (controller.model.rules.driver_window() as JSON: the roles take the window from the inventory),
+V100BOX_NGINX_DEBS and V100BOX_HAPROXY_DEBS (folders of Debian 12's nginx and haproxy packages, fetched once on this
+machine, which the lan_cache and llm_gateway scenarios install into the target before the role finds them there),
+V100BOX_STANDIN_SMI (a folder with the lab's stand-in nvidia-smi, lab/standin_smi.py, and the readings it prints:
+a V100 PCIe's power range and a cool sample, for thermal_guard) and V100BOX_TARGET_IMAGE. V100BOX_TEST_PORT and the
+two ports above it are free on this machine when a scenario starts.
+To run one by hand, serve a site with `python -m lab.fileserver` and export the same variables, then
+`cd ansible_collections/v100box/llm/roles/<role> && molecule test -s <scenario>`.
 """
 
 from __future__ import annotations
@@ -21,14 +26,17 @@ import socket
 import subprocess
 import sys
 import tarfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import yaml
 
 from controller.model import rules
-from lab import aptrepo
+from lab import aptrepo, haproxy, standin_smi
 from lab.fileserver import FileServer
+from lab.host import debian_packages
 from lab.site import PACK_NAME, sha256_file
 
 pytestmark = [pytest.mark.podman, pytest.mark.engine, pytest.mark.slow]
@@ -42,7 +50,19 @@ SCENARIOS = [
     ("llama_service", "exposed"),
     ("llama_verify", "default"),
     ("nvidia_driver", "default"),
+    ("agent_clients", "default"),
+    ("box_seal", "default"),
+    ("lan_cache", "default"),
+    ("llm_gateway", "default"),
+    ("thermal_guard", "default"),
 ]
+# nginx and what Debian 12's target image lacks of its dependencies (apt-cache depends nginx).
+NGINX_DEBS = ("nginx", "nginx-common")
+# What the stand-in nvidia-smi reports for thermal_guard: one V100 PCIe (its power range) at a cool 40 °C.
+STANDIN_POWER = [{"index": 0, "power.min_limit": "100.00", "power.max_limit": "300.00", "power.default_limit": "250.00"}]
+STANDIN_SAMPLE = [{"index": 0, "uuid": "GPU-5a7b9f1e-0000-4000-8000-000000000000", "temperature.gpu": 40,
+                   "temperature.memory": 38, "power.draw": 60.5, "power.limit": 250.0, "clocks.sm": 1380,
+                   "clocks.mem": 877, "clocks_throttle_reasons.active": "0x0000000000000000"}]
 TOKEN = "lab-token-for-molecule"
 
 # A CMake project standing in for llama.cpp's source: the role's build path (download, checksum,
@@ -73,22 +93,40 @@ def _source_tarball(path: Path) -> Path:
     return path
 
 
-def _free_port_pair() -> int:
+def _free_ports(count: int = 3) -> int:
+    """The first of ``count`` consecutive ports free on loopback (a scenario's server, gateway and metrics)."""
     while True:
         with socket.socket() as first:
             first.bind(("127.0.0.1", 0))
             port = first.getsockname()[1]
-        with socket.socket() as second:
-            try:
-                second.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
+        if port + count > 65536:
+            continue
+        try:
+            for offset in range(1, count):
+                with socket.socket() as other:
+                    other.bind(("127.0.0.1", port + offset))
+            return port
+        except OSError:
+            continue
 
 
-@pytest.fixture(scope="module")
-def scenario_env(lab_site, target_image):
-    root, catalog = lab_site
+def _debs(group: str, names: tuple[str, ...]) -> Path:
+    """A folder of Debian 12 packages, downloaded once on this machine into ~/.cache/v100-llm-box/debs/<group>."""
+    return debian_packages(group, names)
+
+
+def _standin_smi(folder: Path) -> Path:
+    """The stand-in nvidia-smi (as lab.standin_smi installs it) and its readings, for a prepare play to copy."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "nvidia-smi").write_text(standin_smi.standin_script())
+    (folder / standin_smi.POWER_FILE).write_text(standin_smi.power_csv(STANDIN_POWER))
+    (folder / standin_smi.SAMPLE_FILE).write_text(standin_smi.sample_csv(STANDIN_SAMPLE))
+    return folder
+
+
+@contextmanager
+def scenario_environment(root: Path, catalog: Path, target_image: str) -> Iterator[dict[str, str]]:
+    """The environment every scenario reads, with the lab's servers running (the site at ``root``)."""
     source = _source_tarball(root / "src" / "tiny-llama-source.tar.gz")
     model = yaml.safe_load(catalog.read_text())["models"]["tiny-llama"]
     apt_root = aptrepo.build()
@@ -108,15 +146,25 @@ def scenario_env(lab_site, target_image):
             "V100BOX_SOURCE_SHA256": sha256_file(source),
             "V100BOX_APT_URL": apt_server.url,
             "V100BOX_DRIVER_WINDOW": json.dumps(rules.driver_window()),
+            "V100BOX_NGINX_DEBS": str(_debs("nginx", NGINX_DEBS)),
+            "V100BOX_HAPROXY_DEBS": str(haproxy.debs()),
+            "V100BOX_STANDIN_SMI": str(_standin_smi(root / "standin-smi")),
             "V100BOX_TARGET_IMAGE": target_image,
             "ANSIBLE_FORCE_COLOR": "0",
             "PY_COLORS": "0",
         }
 
 
+@pytest.fixture(scope="module")
+def scenario_env(lab_site, target_image):
+    root, catalog = lab_site
+    with scenario_environment(root, catalog, target_image) as env:
+        yield env
+
+
 @pytest.mark.parametrize(("role", "scenario"), SCENARIOS, ids=[f"{r}-{s}" for r, s in SCENARIOS])
 def test_molecule_scenario(role, scenario, scenario_env):
-    port = _free_port_pair()
+    port = _free_ports()
     env = {**scenario_env, "V100BOX_TEST_PORT": str(port), "V100BOX_MOLECULE_ID": f"{role}-{scenario}-{port}"}
     done = subprocess.run(["molecule", "test", "--scenario-name", scenario], cwd=ROOT / "ansible_collections/v100box/llm/roles" / role, env=env,
                           capture_output=True, text=True, timeout=1200, check=False)

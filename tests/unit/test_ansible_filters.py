@@ -1,9 +1,25 @@
+"""The collection's Jinja filters (plugins/filter/v100box.py): in a bare Jinja environment, and through Ansible on a
+control node where the controller package cannot be imported."""
+
+import json
+import os
 import shlex
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import jinja2
 import pytest
 
-from controller.ansible_filters import filters, systemd_command
+from ansible_collections.v100box.llm.plugins.filter.v100box import FilterModule, systemd_command
+
+ROOT = Path(__file__).resolve().parents[2]
+FILTER_PLUGIN = ROOT / "ansible_collections/v100box/llm/plugins/filter/v100box.py"
+
+
+def filters() -> dict:
+    return FilterModule().filters()
 
 
 def test_systemd_command_escapes_specifiers_variables_and_quotes():
@@ -48,3 +64,60 @@ def test_gpu_minors_of_an_instance_in_a_bare_jinja_environment():
     assert minors.render(item={}, gpus=gpus) == "1,0,2"  # naming none: every card
     with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES names GPU-c, which llama_service_gpus does not list"):
         minors.render(item={"name": "llama-x", "env": {"CUDA_VISIBLE_DEVICES": "GPU-c"}}, gpus=gpus)
+
+
+def test_every_filter_runs_through_ansible_without_the_controller(tmp_path):
+    """Issue: a control node (a box running ansible-pull, an execution environment) has the collection, not the
+    controller; every filter loads and runs there through Ansible's collection loader, by its full name."""
+    (tmp_path / "play.yml").write_text(textwrap.dedent("""\
+        - name: Use every filter
+          hosts: localhost
+          gather_facts: false
+          vars:
+            gpus: [{index: 0, uuid: GPU-b, minor_number: 3}]
+            services: [{name: s, key: k, openclaw_provider_id: v100-b, openclaw_provider: {models: [{id: m}]}}]
+          tasks:
+            - name: Show what each filter makes
+              ansible.builtin.debug:
+                msg:
+                  command: "{{ ['a b', '100%'] | v100box.llm.systemd_command }}"
+                  quoted: "{{ '$HOME' | v100box.llm.systemd_quote }}"
+                  host: "{{ '::' | v100box.llm.reachable_host }}"
+                  minors: "{{ {'env': {'CUDA_VISIBLE_DEVICES': 'GPU-b'}} | v100box.llm.llama_gpu_minors(gpus) }}"
+                  problem: "{{ '{ broken: ' | v100box.llm.openclaw_problem('f.json') }}"
+                  merged: "{{ '{}' | v100box.llm.openclaw_merge(services, {'k': 'sk-1'}) | from_json }}"
+        """))
+    code = textwrap.dedent(f"""\
+        import sys
+        sys.modules["controller"] = None  # importing it, here or in a forked worker, raises ImportError
+        from ansible.cli.playbook import main
+        sys.argv = ["ansible-playbook", "-c", "local", "-i", "localhost,", {str(tmp_path / "play.yml")!r}]
+        sys.exit(main())
+        """)
+    env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(ROOT), "ANSIBLE_NOCOLOR": "1",
+           "ANSIBLE_LOCAL_TEMP": str(tmp_path / "tmp"), "ANSIBLE_HOME": str(tmp_path / "home"),
+           "ANSIBLE_PYTHON_INTERPRETER": sys.executable, "ANSIBLE_LOAD_CALLBACK_PLUGINS": "1",
+           "ANSIBLE_STDOUT_CALLBACK": "ansible.posix.json"}
+    env.pop("ANSIBLE_CONFIG", None)
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=180, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    answer = json.loads(done.stdout)["plays"][0]["tasks"][0]["hosts"]["localhost"]["msg"]
+    assert answer["command"] == '"a b" "100%%"' and answer["quoted"] == '"$$HOME"' and answer["host"] == "[::1]"
+    assert answer["minors"] == [3]
+    assert answer["problem"].startswith("f.json is not valid JSON5")
+    assert answer["merged"]["models"]["providers"]["v100-b"] == {"models": [{"id": "m"}], "apiKey": "sk-1"}
+
+
+def test_the_filter_plugin_never_imports_the_controller():
+    """Nothing in the collection reaches into the controller package: the plugin's whole import graph (module_utils
+    and plugin_utils included) loads with the controller blocked, in a fresh interpreter."""
+    code = textwrap.dedent("""\
+        import sys
+        sys.modules["controller"] = None  # any import of it raises ImportError
+        from ansible_collections.v100box.llm.plugins.filter import v100box
+        assert v100box.FilterModule().filters()["openclaw_problem"]("{}") == ""
+        """)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-2000:]

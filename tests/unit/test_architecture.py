@@ -8,17 +8,24 @@ from pathlib import Path
 import pytest
 
 PROJECT = Path(__file__).resolve().parents[2]
-PLACE = re.compile(r"`((?:controller|roles|plugins|playbooks|lab|benchmarks)/[\w./<>-]*)`")
+COLLECTION = PROJECT / "ansible_collections/v100box/llm"
+PLACE = re.compile(r"`((?:controller|ansible_collections|roles|plugins|playbooks|lab|benchmarks)/[\w./<>-]*)`")
+# The documents name the Ansible side's places as the collection does, from its folder: `roles/llama_service`.
+IN_COLLECTION = ("roles/", "plugins/", "playbooks/")
 
 
 def _places(document: str) -> set[str]:
     text = (PROJECT / document).read_text()
-    return {match.split(":")[0] for match in PLACE.findall(text) if "<" not in match}
+    return {match.split(":")[0] for match in PLACE.findall(text) if "<" not in match and "..." not in match}  # placeholders
+
+
+def _path(place: str) -> Path:
+    return (COLLECTION if place.startswith(IN_COLLECTION) else PROJECT) / place
 
 
 @pytest.mark.parametrize("document", ["ARCHITECTURE.md", "README.md"])
 def test_every_place_named_exists(document):
-    missing = sorted(place for place in _places(document) if not (PROJECT / place).exists())
+    missing = sorted(place for place in _places(document) if not _path(place).exists())
     assert not missing, f"{document} names places that do not exist: {missing}"
 
 

@@ -9,7 +9,8 @@ import json5
 import pytest
 import yaml
 
-from controller.actions.clients import OpenClawConfigError, merge_openclaw
+from ansible_collections.v100box.llm.plugins.filter.v100box import FilterModule, openclaw_problem
+from ansible_collections.v100box.llm.plugins.plugin_utils.openclaw import OpenClawConfigError, merge_openclaw
 from controller.model.fleet import WantedModel
 from controller.stages.planner import plan_models
 from tests.cli import invoke
@@ -160,10 +161,8 @@ def test_a_config_that_is_not_json5_or_not_an_object_is_refused(text):
 def test_the_filter_refuses_an_invalid_file_and_the_file_stays_as_it_was(tmp_path):
     from jinja2 import Environment
 
-    from controller.ansible_filters import filters
-
     env = Environment()
-    env.filters.update(filters())
+    env.filters.update(FilterModule().filters())
     path = tmp_path / "openclaw.json"
     path.write_text("{ broken: ")
     before = (path.read_bytes(), os.stat(path).st_mtime_ns)
@@ -177,10 +176,8 @@ def test_the_filter_refuses_an_invalid_file_and_the_file_stays_as_it_was(tmp_pat
 def test_the_filter_merges_every_service_of_the_box_into_one_provider():
     from jinja2 import Environment
 
-    from controller.ansible_filters import filters
-
     env = Environment()
-    env.filters.update(filters())
+    env.filters.update(FilterModule().filters())
     services = [{"name": f"llama-{i}", "openclaw_provider_id": "v100-box1",
                  "openclaw_provider": {**PROVIDER, "models": [{"id": f"m{i}", "contextWindow": 65536}]}}
                 for i in (1, 2)]
@@ -191,7 +188,5 @@ def test_the_filter_merges_every_service_of_the_box_into_one_provider():
 
 
 def test_the_problem_filter_names_what_is_wrong_without_raising():
-    from controller.ansible_filters import openclaw_problem
-
     assert openclaw_problem(USER_CONFIG) == ""
     assert "/home/u/.openclaw/openclaw.json is not valid JSON5" in openclaw_problem("{ a: ", "/home/u/.openclaw/openclaw.json")

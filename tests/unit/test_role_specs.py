@@ -13,16 +13,12 @@ ROOT = Path(__file__).resolve().parents[2]
 ROLE_NAMES = ["agent_clients", "box_seal", "gguf_model", "lan_cache", "llama_engine", "llama_service", "llama_verify",
               "llm_gateway", "nvidia_driver", "thermal_guard"]
 ROLES = [ROOT / "ansible_collections/v100box/llm/roles" / name for name in ROLE_NAMES]
-# Roles with no Windows side: the planner refuses them on a Windows box and main.yml says so. llm_gateway's
-# HAProxy has no Windows build; it runs end to end in tests/integration/test_llm_gateway.py instead of molecule.
-# agent_clients writes per-account launch scripts on Linux (a Windows box's come from llama_service); it runs end
-# to end in tests/integration/test_provision_e2e.py.
-# lan_cache (nginx) runs on the fleet's Linux cache host; it runs end to end in tests/integration/test_lan_cache.py.
-# box_seal hands a certified Linux box to its buyer; it runs end to end in tests/integration/test_seal.py.
+# Roles with no Windows side: the planner refuses them on a Windows box and main.yml (or the preflight it runs
+# first) says so. llm_gateway's HAProxy has no Windows build; agent_clients writes per-account launch scripts on
+# Linux (a Windows box's come from llama_service); lan_cache (nginx) runs on the fleet's Linux cache host; box_seal
+# hands a certified Linux box to its buyer. Each has a molecule scenario besides its end-to-end test
+# (test_llm_gateway.py, test_provision_e2e.py, test_lan_cache.py, test_seal.py).
 LINUX_ONLY = {"agent_clients", "box_seal", "llm_gateway", "lan_cache"}
-# Both OSes, run end to end instead of molecule: thermal_guard in tests/integration/test_thermal_guard.py (a real
-# box with a stand-in nvidia-smi whose temperatures the test sets); its Windows side is rendered in a unit test.
-END_TO_END = {"thermal_guard"}
 # Variables whose values are facts of controller/model/rules.py: the inventory carries them, no role defaults them.
 FACT_VARIABLES = {
     "nvidia_driver": {"nvidia_driver_window", "nvidia_driver_installer"},
@@ -123,11 +119,11 @@ def test_each_role_dispatches_by_os_and_has_docs_and_a_scenario(role: Path):
     assert (role / "README.md").is_file() and (role / "meta" / "argument_specs.yml").is_file()
     main = (role / "tasks" / "main.yml").read_text()
     assert "os_family" in main or "windows" in main, f"{role.name}'s main.yml does not pick the OS's tasks"
+    assert (role / "molecule" / "default" / "molecule.yml").is_file(), f"{role.name} has no molecule scenario"
     if role.name in LINUX_ONLY:
         platforms = {p["name"] for p in yaml.safe_load((role / "meta/main.yml").read_text())["galaxy_info"]["platforms"]}
         assert "Windows" not in platforms and "Windows" in main, f"{role.name} must refuse Windows in main.yml"
         return
-    assert (role / "molecule" / "default" / "molecule.yml").is_file() or role.name in END_TO_END
     assert (role / "tasks" / "windows.yml").is_file() or list(role.glob("tasks/windows-*.yml"))
     platforms = {p["name"] for p in yaml.safe_load((role / "meta/main.yml").read_text())["galaxy_info"]["platforms"]}
     assert "Windows" in platforms and "Debian" in platforms

@@ -22,7 +22,9 @@ LOCK = PROJECT / "requirements.lock"
 PIP_LOCK = PROJECT / "requirements-pip.lock"
 COLLECTIONS = PROJECT / "collections" / "requirements.yml"
 # <namespace>.<collection>.<plugin>, for every namespace but ansible.builtin's.
-FQCN = re.compile(r"\b((?:ansible\.(?!builtin\b|plugins\b|module_utils\b)|community\.|containers\.)[a-z_]+)\.[a-z_]+\b")  # not ansible-core's own packages
+# not ansible-core's own packages, nor a Python import of one (from ansible.cli.playbook import main)
+FQCN = re.compile(r"(?<!from )(?<!import )\b((?:ansible\.(?!builtin\b|plugins\b|module_utils\b)|community\.|containers\.)"
+                  r"[a-z_]+)\.[a-z_]+\b")
 
 
 def locked(path: Path) -> dict[str, tuple[str, list[str]]]:
@@ -71,7 +73,8 @@ def test_this_environment_is_the_locked_one():
 
 def _collections_in_use() -> set[str]:
     used = set()
-    for folder in ("roles", "playbooks", "tests", ".config"):
+    collection = "ansible_collections/v100box/llm"
+    for folder in (f"{collection}/roles", f"{collection}/playbooks", f"{collection}/plugins", "tests", ".config"):
         for path in (PROJECT / folder).rglob("*"):
             if path.suffix in (".yml", ".yaml", ".py", ".j2") and path.is_file() and path != Path(__file__):
                 used |= set(FQCN.findall(path.read_text(errors="replace")))

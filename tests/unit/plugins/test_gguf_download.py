@@ -7,11 +7,9 @@ beside them); the module itself also runs as Ansible runs it, as a script with a
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,22 +19,13 @@ from typing import Any
 import pytest
 
 from lab.fileserver import FileServer
+from tests.unit.plugins.loader import load_module, module_command, module_env, run_module
 
-MODULE_PATH = Path(__file__).resolve().parents[3] / "ansible_collections/v100box/llm/plugins" / "modules" / "gguf_download.py"
 TOKEN = "hf_TESTtoken0123456789abcdef"
 SIZE = 8 << 20
 
 
-def _load_module() -> Any:
-    spec = importlib.util.spec_from_file_location("gguf_download", MODULE_PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-gd = _load_module()
+gd = load_module("gguf_download")
 
 
 @dataclass(frozen=True)
@@ -89,16 +78,7 @@ def _run_module(
     args: dict[str, Any], tmp_path: Path
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     """Run the module the way Ansible's debug path does: the script plus a JSON args file."""
-    args_file = tmp_path / "args.json"
-    args_file.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
-    proc = subprocess.run(
-        [sys.executable, str(MODULE_PATH), str(args_file)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    return proc, json.loads(proc.stdout)
+    return run_module("gguf_download", tmp_path, args)
 
 
 def test_fresh_download_lands_the_verified_file(server: FileServer, model: Model, tmp_path: Path) -> None:
@@ -535,10 +515,8 @@ def test_two_runs_for_one_file_take_turns(server: FileServer, model: Model, tmp_
     server.rate = SIZE / 2  # two seconds per download: long enough to overlap
     procs = []
     for number in (1, 2):
-        args = tmp_path / f"args{number}.json"
-        args.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": params}))
-        procs.append(subprocess.Popen([sys.executable, str(MODULE_PATH), str(args)], stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen(module_command("gguf_download", tmp_path, params, f"args{number}.json"),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=module_env()))
         if number == 1:  # the second starts while the first is appending to the partial file
             deadline = time.monotonic() + 30
             while not Path(params["dest"] + ".part").exists() and time.monotonic() < deadline:

@@ -3,34 +3,25 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from lab import tinymodels
-from lab.llama_server import serve
 from lab.target import free_port
+from tests.unit.plugins import loader
 
 pytestmark = pytest.mark.engine
 
-MODULE = Path(__file__).resolve().parents[3] / "ansible_collections/v100box/llm/plugins" / "modules" / "llama_api_check.py"
 KEY = "check-key-0123456789abcdef"
 
 
 def run_module(tmp_path: Path, **args) -> dict:
-    args_file = tmp_path / "args.json"
-    args_file.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
-    done = subprocess.run([sys.executable, str(MODULE), str(args_file)], capture_output=True, text=True,
-                          timeout=180, check=False)
-    return json.loads(done.stdout)
+    return loader.run_module("llama_api_check", tmp_path, args, timeout=180)[1]
 
 
 @pytest.fixture(scope="module")
 def server(llama_server, tmp_path_factory):
-    model = tinymodels.write_model(tmp_path_factory.mktemp("m") / "tiny.gguf", "llama", file_type="q8_0")
-    with serve(llama_server, model, ["--alias", "tiny", "--api-key", KEY, "-c", "1024", "-np", "1"]) as running:
+    with loader.tiny_server(llama_server, tmp_path_factory.mktemp("m"), KEY, "-c", "1024", "-np", "1") as running:
         yield running
 
 

@@ -148,7 +148,7 @@ def test_bad_answers_become_details(bad_server, tmp_path):
 
 @pytest.mark.slow
 def test_the_verify_role_records_the_certification(tool_server, tmp_path):
-    plays = [{"name": "Verify", "hosts": "localhost", "gather_facts": False, "roles": [{"role": "llama_verify"}]}]
+    plays = [{"name": "Verify", "hosts": "localhost", "gather_facts": False, "roles": [{"role": "v100box.llm.llama_verify"}]}]
     extra = {"llama_verify_instances": [{"name": "tiny", "model": "tiny", "port": tool_server.port}],
              "llama_verify_api_key": KEY, "llama_verify_certify": True, "llama_verify_max_tokens": 4}
     done = run_playbook(tmp_path, plays, extra, json_output=True, windows=False)

@@ -13,7 +13,7 @@ from tests.unit.windows.powershell import parse_errors
 
 PLUGINS = Path(__file__).resolve().parents[3] / "ansible_collections/v100box/llm/plugins"
 LINUX = PLUGINS / "modules" / "llama_api_check.py"
-WINDOWS = PLUGINS / "windows_modules" / "llama_api_check.ps1"
+WINDOWS = PLUGINS / "modules" / "llama_api_check.ps1"
 
 
 def _module_constant(name: str) -> str:

@@ -3,27 +3,18 @@ sentences a certify report shows; and the options it refuses (the module run as 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import yaml
 
-from tests.unit.plugins.loader import PLUGINS, load_module
-
-MODULE = PLUGINS / "llama_burn_in.py"
-
+from tests.unit.plugins.loader import load_module
+from tests.unit.plugins.loader import run_module as run
 
 burn = load_module("llama_burn_in")
 
 
 def run_module(tmp_path: Path, **args) -> dict:
-    args_file = tmp_path / "args.json"
-    args_file.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
-    done = subprocess.run([sys.executable, str(MODULE), str(args_file)], capture_output=True, text=True,
-                          timeout=60, check=False)
-    return json.loads(done.stdout)
+    return run("llama_burn_in", tmp_path, args, timeout=60)[1]
 
 
 def test_the_query_is_the_one_the_stand_in_and_the_guard_answer():

@@ -4,21 +4,15 @@ heat), and a service whose port is dead."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from lab import tinymodels
-from lab.llama_server import serve
 from lab.target import free_port
+from tests.unit.plugins import loader
 
 pytestmark = pytest.mark.engine
 
-MODULE = Path(__file__).resolve().parents[3] / "ansible_collections/v100box/llm/plugins" / "modules" / "llama_burn_in.py"
 KEY = "burn-in-key-0123456789abcdef"
 QUERY = ("--query-gpu=index,uuid,temperature.gpu,temperature.memory,power.draw,power.limit,clocks.sm,clocks.mem,"
          "clocks_throttle_reasons.active --format=csv,noheader,nounits")
@@ -40,18 +34,13 @@ def standin_smi(folder: Path, rows: str) -> Path:
 
 def run_module(tmp_path: Path, smi_dir: Path, **args) -> tuple[dict, str]:
     """The module as Ansible runs it, told where the stand-in is (it never looks nvidia-smi up on PATH)."""
-    args_file = tmp_path / "args.json"
-    args_file.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": {**args, "nvidia_smi": str(smi_dir / "nvidia-smi")}}))
-    env = dict(os.environ)
-    done = subprocess.run([sys.executable, str(MODULE), str(args_file)], capture_output=True, text=True,
-                          timeout=120, check=False, env=env)
-    return json.loads(done.stdout), done.stdout
+    done, result = loader.run_module("llama_burn_in", tmp_path, {**args, "nvidia_smi": str(smi_dir / "nvidia-smi")})
+    return result, done.stdout
 
 
 @pytest.fixture(scope="module")
 def server(llama_server, tmp_path_factory):
-    model = tinymodels.write_model(tmp_path_factory.mktemp("m") / "tiny.gguf", "llama", file_type="q8_0")
-    with serve(llama_server, model, ["--alias", "tiny", "--api-key", KEY, "-c", "2048", "-np", "2"]) as running:
+    with loader.tiny_server(llama_server, tmp_path_factory.mktemp("m"), KEY, "-c", "2048", "-np", "2") as running:
         yield running
 
 

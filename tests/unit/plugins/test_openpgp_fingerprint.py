@@ -61,7 +61,7 @@ def _run_key_tasks(tmp_path: Path, key: Path, fingerprint: str):
         "gather_subset": ["!all", "!min", "distribution"],
         "tasks": [{
             "name": "Run the role's key tasks",
-            "ansible.builtin.include_role": {"name": "nvidia_driver", "tasks_from": "linux-repo-key"},
+            "ansible.builtin.include_role": {"name": "v100box.llm.nvidia_driver", "tasks_from": "linux-repo-key"},
             "vars": {
                 "__nvidia_driver_key_dest": str(keyring),
                 "__nvidia_driver_repo_key_url": key.as_uri(),
@@ -113,7 +113,7 @@ def test_a_mirror_key_without_a_fingerprint_is_refused_before_anything_changes(t
         "gather_facts": False,
         "tasks": [{
             "name": "Run the role's preflight",
-            "ansible.builtin.include_role": {"name": "nvidia_driver", "tasks_from": "preflight"},
+            "ansible.builtin.include_role": {"name": "v100box.llm.nvidia_driver", "tasks_from": "preflight"},
             "vars": {
                 "nvidia_driver_gpus": [{"index": 0, "name": "Tesla V100-PCIE-32GB", "pci_bus_id": "0000:04:00.0",
                                         "is_v100": True}],

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import io
-import json
 import os
 import stat
 import subprocess
-import sys
 import tarfile
 import zipfile
 from pathlib import Path
@@ -15,15 +13,11 @@ from typing import Any
 
 import pytest
 
-MODULE_PATH = Path(__file__).resolve().parents[3] / "ansible_collections/v100box/llm/plugins" / "modules" / "safe_unpack.py"
+from tests.unit.plugins.loader import run_module
 
 
 def _run(tmp_path: Path, **args: Any) -> dict[str, Any]:
-    args_file = tmp_path / "args.json"
-    args_file.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
-    proc = subprocess.run([sys.executable, str(MODULE_PATH), str(args_file)], check=False, capture_output=True,
-                          text=True, timeout=60)
-    result = json.loads(proc.stdout)
+    proc, result = run_module("safe_unpack", tmp_path, args, timeout=60)
     assert (proc.returncode != 0) == bool(result.get("failed")), proc.stdout + proc.stderr
     return result
 

@@ -13,7 +13,7 @@ from controller.model.fleet import parse_fleet
 from controller.stages.planner import plan_box
 from controller.stages.render import render_box
 from tests.unit.planner.helpers import DUAL, profile
-from tests.unit.windows.ansible_local import MERGED_ROLES, ROLES, run_playbook
+from tests.unit.windows.ansible_local import MERGED_ROLES, PROJECT, run_playbook
 from tests.unit.windows.cmdline import split
 from tests.unit.windows.test_service_render import render
 
@@ -53,7 +53,7 @@ def host_vars(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module", params=["windows", "linux", "example"])
 def any_host_vars(request, tmp_path_factory) -> dict:
     if request.param == "example":  # the README's hand-written inventory keeps the same contract
-        return yaml.safe_load((ROLES.parent / "inventory" / "example" / "host_vars" / "box3.yml").read_text())
+        return yaml.safe_load((PROJECT / "inventory" / "example" / "host_vars" / "box3.yml").read_text())
     return _render(tmp_path_factory.mktemp("controller"), request.param)
 
 

@@ -10,7 +10,7 @@ from tests.unit.windows.ansible_local import WINDOWS_FACTS, run_playbook
 # Each module runs ansible-playbook on localhost: seconds per run.
 pytestmark = pytest.mark.slow
 
-PLAY = [{"name": "Driver", "hosts": "localhost", "gather_facts": False, "roles": [{"role": "nvidia_driver"}]}]
+PLAY = [{"name": "Driver", "hosts": "localhost", "gather_facts": False, "roles": [{"role": "v100box.llm.nvidia_driver"}]}]
 INSTALLER = {"version": rules.WINDOWS_DRIVER, "url": "https://downloads.example/driver.exe", "sha256": "ab" * 32}
 BASE = {"nvidia_driver_window": WINDOWS_FACTS["nvidia_driver_window"], "nvidia_driver_installer": INSTALLER}
 

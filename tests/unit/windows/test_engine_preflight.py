@@ -11,7 +11,7 @@ ZIP = "https://mirror.example/llama-upstream-02182fc-windows-x86_64-cuda12.8-sm7
 
 def preflight(tmp_path, *packs: dict):
     plays = [{"name": "Preflight", "hosts": "localhost", "gather_facts": False, "tasks": [
-        {"name": "Run the preflight", "ansible.builtin.include_role": {"name": "llama_engine",
+        {"name": "Run the preflight", "ansible.builtin.include_role": {"name": "v100box.llm.llama_engine",
                                                                         "tasks_from": "preflight"}}]}]
     return run_playbook(tmp_path, plays, {"llama_engine_packs": list(packs)})
 

@@ -34,7 +34,7 @@ def outcomes(tmp_path_factory):
   block:
     - name: Run the preflight
       ansible.builtin.include_role:
-        name: gguf_model
+        name: v100box.llm.gguf_model
         tasks_from: windows-preflight
       vars:
         gguf_model_dir: "{{ case }}"
@@ -98,7 +98,7 @@ def test_bad_model_entries_are_refused(tmp_path):
             "tasks": [
                 {
                     "name": "Run the preflight",
-                    "ansible.builtin.include_role": {"name": "gguf_model", "tasks_from": "preflight"},
+                    "ansible.builtin.include_role": {"name": "v100box.llm.gguf_model", "tasks_from": "preflight"},
                 }
             ],
         }

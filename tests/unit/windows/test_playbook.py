@@ -34,21 +34,21 @@ SEAL_ROLE = "box_seal"
 def test_site_is_one_play_running_the_roles_in_order():
     (site,) = plays("site.yml")
     assert site["hosts"] == "all"
-    assert [role["role"] for role in site["roles"]] == [ROLE_NAMES[0], CACHE_ROLE, *ROLE_NAMES[1:-1], *LINUX_ONLY,
-                                                        ROLE_NAMES[-1]]
+    order = [ROLE_NAMES[0], CACHE_ROLE, *ROLE_NAMES[1:-1], *LINUX_ONLY, ROLE_NAMES[-1]]
+    assert [role["role"] for role in site["roles"]] == [f"v100box.llm.{name}" for name in order]
     assert site["roles"][0]["vars"] == {"nvidia_driver_require_loaded": True}
     (driver,) = plays("driver.yml")
-    assert driver["hosts"] == "all" and [role["role"] for role in driver["roles"]] == ["nvidia_driver"]
+    assert driver["hosts"] == "all" and [role["role"] for role in driver["roles"]] == ["v100box.llm.nvidia_driver"]
     (verify,) = plays("verify.yml")
-    assert verify["hosts"] == "all" and [role["role"] for role in verify["roles"]] == ["llama_verify"]
+    assert verify["hosts"] == "all" and [role["role"] for role in verify["roles"]] == ["v100box.llm.llama_verify"]
     (clients,) = plays("clients.yml")  # the fleet's workstations only: boxes are never in their inventory
-    assert clients["hosts"] == "workstations" and [role["role"] for role in clients["roles"]] == ["agent_clients"]
+    assert clients["hosts"] == "workstations" and [role["role"] for role in clients["roles"]] == ["v100box.llm.agent_clients"]
     assert not (PLAYBOOKS / "windows.yml").exists()
     (seal,) = plays("seal.yml")
     assert seal["hosts"] == "all" and SEAL_ROLE in str(seal)
     (certify,) = plays("certify.yml")
     assert certify["hosts"] == "all" and {task["ansible.builtin.import_role"]["name"] for task in certify["tasks"]} == {
-        "llama_verify"}
+        "v100box.llm.llama_verify"}
     assert sorted(path.name for path in (PROJECT / "ansible_collections/v100box/llm/roles").iterdir()) == sorted(
         [*ROLE_NAMES, *LINUX_ONLY, CACHE_ROLE, SEAL_ROLE])
 

@@ -30,9 +30,12 @@ def test_powershell_module_parses(module: Path):
     assert "#AnsibleRequires -CSharpUtil Ansible.Basic" in module.read_text()
 
 
-def test_windows_modules_live_apart_from_their_linux_twins():
-    # Beside llama_api_check.py, the .ps1 could be what Ansible runs on a Linux box (test_module_resolution.py).
-    assert [str(path.relative_to(PROJECT)) for path in MODULES] == ["plugins/modules/llama_api_check.ps1"]
+def test_each_windows_module_has_an_action_that_keeps_it_off_linux_boxes():
+    # Beside llama_api_check.py, the .ps1 is what Ansible would run on a Linux box; the collection's action plugin of
+    # the same name asks for the .py there (tests/unit/plugins/test_module_resolution.py).
+    plugins = PROJECT / "ansible_collections/v100box/llm/plugins"
+    assert [str(path.relative_to(plugins)) for path in MODULES] == ["modules/llama_api_check.ps1"]
+    assert all((plugins / "action" / path.with_suffix(".py").name).is_file() for path in MODULES)
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 
 
 def play(**extra_vars) -> list[dict]:
-    return [{"name": "Verify", "hosts": "localhost", "gather_facts": False, "roles": [{"role": "llama_verify"}],
+    return [{"name": "Verify", "hosts": "localhost", "gather_facts": False, "roles": [{"role": "v100box.llm.llama_verify"}],
              "post_tasks": [{"name": "Show what the role decided", "ansible.builtin.debug": {
                  "msg": "windows={{ _llama_verify_windows }} nccl={{ _llama_verify_nccl_instances "
                         "| map(attribute='name') | join(',') }}"}}]}]

@@ -47,12 +47,12 @@ options:
     type: list
     elements: str
     default: []
-author: v100-llm-box
+author: v100box maintainers (!UNKNOWN)
 """
 
 EXAMPLES = r"""
 - name: Give the account its key
-  account_files:
+  v100box.llm.account_files:
     account: alice
     directories: [.config/v100-llm-box/keys]
     secret_files:

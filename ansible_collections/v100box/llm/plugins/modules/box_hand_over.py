@@ -6,7 +6,7 @@ DOCUMENTATION = r"""
 module: box_hand_over
 short_description: Leave a sealed box's logins to its buyer alone, then empty the journal
 description:
-  - The last task of C(controller seal) (roles/box_seal C(tasks/lock-out.yml)), one call because it may remove the
+  - The last task of C(controller seal) (roles/box_seal C(tasks/hand-over.yml)), one call because it may remove the
     account Ansible logs in as. In check mode it changes nothing and fails on what would stop it (run first, in
     the role's preflight).
   - Every account's authorized keys files go (the paths sshd's C(AuthorizedKeysFile) names for it, read from
@@ -47,12 +47,12 @@ options:
     description: Whether to rotate the journal and vacuum every journal folder at the end.
     type: bool
     default: true
-author: v100-llm-box
+author: v100box maintainers (!UNKNOWN)
 """
 
 EXAMPLES = r"""
 - name: Leave the box's logins to the buyer alone
-  box_hand_over:
+  v100box.llm.box_hand_over:
     buyer_keys: ["ssh-ed25519 AAAA... buyer@laptop"]
     buyer_account: owner
     buyer_sudo: true
@@ -218,6 +218,21 @@ def _drop(entries, names):
     return kept, len(kept) != len(entries)
 
 
+def _strip_user_list(pattern, line, names):
+    """``line`` with ``names`` taken out of the user list ``pattern`` finds in it (a rule's users, or those of a
+    ``Defaults:`` line): (the line, or None when no user is left; whether a name was taken out). A line that does not
+    match, or names none of them, stays byte for byte."""
+    found = pattern.match(line.rstrip("\n"))
+    if not found:
+        return line, False
+    kept, dropped = _drop(re.split(r"\s*,\s*", found.group(2)), names)
+    if not dropped:
+        return line, False
+    if not kept:
+        return None, True
+    return found.group(1) + ", ".join(kept) + (found.group(3) or "") + line[len(line.rstrip("\n")):], True
+
+
 def strip_sudoers(text, names):
     """``text`` without the rules of ``names`` (an account's name and ``#uid``); returns (text, changed).
 
@@ -230,22 +245,12 @@ def strip_sudoers(text, names):
         if not body or body.startswith(_NOT_A_RULE) or (body.startswith("#") and not re.match(r"#\d", body)):
             out.append(line)
             continue
-        ending = line[len(line.rstrip("\n")):]
-        if body.startswith("Defaults"):
-            found = _DEFAULTS_USERS.match(line.rstrip("\n"))
-            if not found:
-                out.append(line)
-                continue
-            kept, dropped = _drop(re.split(r"\s*,\s*", found.group(2)), names)
-            changed |= dropped
-            if kept:
-                out.append(found.group(1) + ", ".join(kept) + (found.group(3) or "") + ending if dropped else line)
-            continue
-        alias = _USER_ALIAS.match(line.rstrip("\n"))
+        alias = None if body.startswith("Defaults") else _USER_ALIAS.match(line.rstrip("\n"))
         if alias:
+            ending = line[len(line.rstrip("\n")):]
             definitions, alias_dropped = [], False
             for definition in re.split(r"\s*:\s*", alias.group(2)):
-                name, _, members = definition.partition("=")
+                name, _equals, members = definition.partition("=")
                 kept, dropped = _drop(re.split(r"\s*,\s*", members.strip()), names)
                 if dropped and not kept:
                     raise Refused(f"User_Alias {name.strip()} names only {', '.join(sorted(names))}; remove it and "
@@ -256,14 +261,11 @@ def strip_sudoers(text, names):
             # Only a line that named the builder is rewritten; every other line stays byte for byte.
             out.append(alias.group(1) + " : ".join(definitions) + ending if alias_dropped else line)
             continue
-        found = _USER_LIST.match(line.rstrip("\n"))
-        if not found:
-            out.append(line)
-            continue
-        kept, dropped = _drop(re.split(r"\s*,\s*", found.group(2)), names)
+        kept_line, dropped = _strip_user_list(_DEFAULTS_USERS if body.startswith("Defaults") else _USER_LIST, line,
+                                              names)
         changed |= dropped
-        if kept:
-            out.append(found.group(1) + ", ".join(kept) + found.group(3) + ending if dropped else line)
+        if kept_line is not None:
+            out.append(kept_line)
     return "".join(out), changed
 
 
@@ -521,7 +523,7 @@ class HandOver:
 
 
 ARGUMENT_SPEC = {
-    "buyer_keys": {"type": "list", "elements": "str", "default": []},
+    "buyer_keys": {"type": "list", "elements": "str", "default": [], "no_log": False},  # public keys
     "buyer_account": {"type": "str", "default": ""},
     "buyer_sudo": {"type": "bool", "default": False},
     "builder_account": {"type": "str", "default": ""},

@@ -15,7 +15,7 @@ description:
     rename; an older good file stays in place until then.
   - After a verified download a marker C(<dest>.verified) records hash, size, mtime, inode and owner, so
     later runs skip without rereading tens of gigabytes. A file without a valid marker is hashed once.
-  - Two runs for the same O(dest) on one box take turns through C(flock) on C(<dest>.lock): the second
+  - Two runs for the same O(dest) on one box take turns through C(flock) on C(<dest>.lock); the second
     waits, then finds the file verified. No file is marked verified while another writer appends to it.
   - The folder is opened once without following a link planted in its place, and every file in it is
     opened relative to that folder with C(O_NOFOLLOW) (new files also C(O_EXCL)). A partial file, marker
@@ -73,12 +73,12 @@ attributes:
     support: full
     description: Reports whether a download would happen; fetches nothing, writes nothing.
 author:
-  - v100-llm-box
+  - v100box maintainers (!UNKNOWN)
 """
 
 EXAMPLES = r"""
 - name: Download the Gemma model
-  gguf_download:
+  v100box.llm.gguf_download:
     url: "https://huggingface.co/google/gemma/resolve/main/gemma.gguf"
     dest: /var/lib/llama/models/gemma.gguf
     sha256: "{{ gemma_sha256 }}"
@@ -390,7 +390,8 @@ def is_verified(dest: str, sha256: str) -> bool:
 
 def _write_marker(folder: Folder, name: str, sha256: str) -> None:
     found = folder.lstat(name)
-    assert found is not None
+    if found is None:  # it was there a moment ago: something else on the box removed it
+        raise DownloadError(f"{folder.join(name)} disappeared before its .verified record was written; run again")
     marker, temporary = name + ".verified", name + ".verified.tmp"
     folder.unlink(temporary)
     fd = folder.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, NEW_FILE_MODE)
@@ -620,7 +621,7 @@ def _transfer(url: str, part: _Part, headers: dict[str, str], timeout: float, si
 
 def _range_start(content_range: str) -> int | None:
     """Start offset of ``Content-Range: bytes START-END/TOTAL``."""
-    unit, _, spec = content_range.partition(" ")
+    unit, _space, spec = content_range.partition(" ")
     start = spec.partition("-")[0]
     return int(start) if unit == "bytes" and start.isdigit() else None
 
@@ -780,7 +781,7 @@ def main() -> None:
             "sha256": {"type": "str", "required": True},
             "size": {"type": "int"},
             "token": {"type": "str", "no_log": True},
-            "token_hosts": {"type": "list", "elements": "str", "default": list(DEFAULT_TOKEN_HOSTS)},
+            "token_hosts": {"type": "list", "elements": "str", "default": list(DEFAULT_TOKEN_HOSTS), "no_log": False},
             "headers": {"type": "dict", "default": {}},
             "timeout": {"type": "int", "default": 60},
             "owner": {"type": "str"},

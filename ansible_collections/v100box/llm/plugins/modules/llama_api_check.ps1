@@ -137,8 +137,9 @@ function Stop-Unreachable {
     $module.FailJson("$($baseUrl): $Reason")
 }
 
-function Invoke-Json {
-    # A request that must answer 2xx with JSON; returns the decoded body.
+function Get-Answer {
+    # A request that must answer 2xx with JSON (an empty body reads as an empty object, as in the Linux module):
+    # @{ value = <decoded body or $null>; error = <reason or $null> }. The certification's checks report the reason.
     param (
         [Parameter(Mandatory)][string]$Path,
         [hashtable]$Headers = @{},
@@ -146,20 +147,34 @@ function Invoke-Json {
     )
     $answer = Send-Request -Path $Path -Headers $Headers -Body $Body
     if ($null -ne $answer.error) {
-        Stop-Unreachable "$Path`: $($answer.error)"
+        return @{ value = $null; error = "$Path`: $($answer.error)" }
     }
     if ($answer.status -lt 200 -or $answer.status -ge 300) {
-        Stop-Unreachable "$Path answered HTTP $($answer.status)$(Get-ErrorText $answer.body)"
+        return @{ value = $null; error = "$Path answered HTTP $($answer.status)$(Get-ErrorText $answer.body)" }
     }
     if ([string]::IsNullOrWhiteSpace($answer.body)) {
-        return [PSCustomObject]@{}
+        return @{ value = [PSCustomObject]@{}; error = $null }
     }
     try {
-        return $answer.body | ConvertFrom-Json
+        return @{ value = ($answer.body | ConvertFrom-Json); error = $null }
     }
     catch {
-        Stop-Unreachable "$Path did not answer JSON"
+        return @{ value = $null; error = "$Path did not answer JSON" }
     }
+}
+
+function Invoke-Json {
+    # Get-Answer for the four checks: a request that gets no usable answer fails the module (Stop-Unreachable).
+    param (
+        [Parameter(Mandatory)][string]$Path,
+        [hashtable]$Headers = @{},
+        [object]$Body = $null
+    )
+    $answer = Get-Answer -Path $Path -Headers $Headers -Body $Body
+    if ($null -ne $answer.error) {
+        Stop-Unreachable $answer.error
+    }
+    return $answer.value
 }
 
 function Get-Field {
@@ -316,28 +331,6 @@ $throughputPrompt = (
     'Each cause was fixed within a day, and the speed returned to its delivered figure.'
 )
 
-function Get-Answer {
-    # A certification request that must answer 2xx with JSON: @{ value = <decoded body or $null>; error = <reason> }.
-    param (
-        [Parameter(Mandatory)][string]$Path,
-        [hashtable]$Headers = @{},
-        [object]$Body = $null
-    )
-    $answer = Send-Request -Path $Path -Headers $Headers -Body $Body
-    if ($null -ne $answer.error) {
-        return @{ value = $null; error = "$Path`: $($answer.error)" }
-    }
-    if ($answer.status -lt 200 -or $answer.status -ge 300) {
-        return @{ value = $null; error = "$Path answered HTTP $($answer.status)$(Get-ErrorText $answer.body)" }
-    }
-    try {
-        return @{ value = ($answer.body | ConvertFrom-Json); error = $null }
-    }
-    catch {
-        return @{ value = $null; error = "$Path did not answer JSON" }
-    }
-}
-
 function Read-EventStream {
     # The data: payloads of a server-sent event stream, decoded where they are JSON ('[DONE]' stays a string), up to
     # '[DONE]' or a message_stop: @{ events = <list>; error = <reason or $null> } (the events before an error stay).
@@ -447,6 +440,36 @@ function Test-ToolCall {
     return $result
 }
 
+function Complete-StreamCheck {
+    # The verdict of a stream check on what it read: $Count chunks or events ($Unit) came, $Ended says whether the
+    # stream's end mark ($EndMark) came; a stream that ended without anything before its mark fails with
+    # $NothingBefore when one is given. Sets ok and detail of $Result and returns it.
+    param (
+        [Parameter(Mandatory)][hashtable]$Result,
+        [Parameter(Mandatory)][hashtable]$Read,
+        [int]$Count,
+        [string]$Unit,
+        [bool]$Ended,
+        [string]$EndMark,
+        [string]$Passed,
+        [string]$NothingBefore = ''
+    )
+    if ($null -ne $Read.error -and -not $Ended) {
+        $Result.detail = "after $Count $($Unit): $($Read.error)"
+    }
+    elseif (-not $Ended) {
+        $Result.detail = "the stream ended after $Count $Unit without $EndMark"
+    }
+    elseif ($NothingBefore -and $Count -eq 0) {
+        $Result.detail = $NothingBefore
+    }
+    else {
+        $Result.ok = $true
+        $Result.detail = $Passed
+    }
+    return $Result
+}
+
 function Test-OpenAIStream {
     $result = @{ ok = $false; chunks = 0; done = $false; detail = '' }
     $read = Read-EventStream -Path '/v1/chat/completions' -Headers $headers -Body @{
@@ -466,20 +489,9 @@ function Test-OpenAIStream {
         }
         $result.chunks += 1
     }
-    if ($null -ne $read.error -and -not $result.done) {
-        $result.detail = "after $($result.chunks) chunks: $($read.error)"
-    }
-    elseif (-not $result.done) {
-        $result.detail = "the stream ended after $($result.chunks) chunks without data: [DONE]"
-    }
-    elseif ($result.chunks -eq 0) {
-        $result.detail = 'the stream sent data: [DONE] without a chunk before it'
-    }
-    else {
-        $result.ok = $true
-        $result.detail = "$($result.chunks) chunks, then data: [DONE]"
-    }
-    return $result
+    return Complete-StreamCheck -Result $result -Read $read -Count $result.chunks -Unit 'chunks' -Ended $result.done `
+        -EndMark 'data: [DONE]' -Passed "$($result.chunks) chunks, then data: [DONE]" `
+        -NothingBefore 'the stream sent data: [DONE] without a chunk before it'
 }
 
 function Test-AnthropicStream {
@@ -505,17 +517,8 @@ function Test-AnthropicStream {
             break
         }
     }
-    if ($null -ne $read.error -and -not $result.message_stop) {
-        $result.detail = "after $($result.events) events: $($read.error)"
-    }
-    elseif (-not $result.message_stop) {
-        $result.detail = "the stream ended after $($result.events) events without message_stop"
-    }
-    else {
-        $result.ok = $true
-        $result.detail = "$($result.events) events, the last message_stop"
-    }
-    return $result
+    return Complete-StreamCheck -Result $result -Read $read -Count $result.events -Unit 'events' `
+        -Ended $result.message_stop -EndMark 'message_stop' -Passed "$($result.events) events, the last message_stop"
 }
 
 function Get-Median {

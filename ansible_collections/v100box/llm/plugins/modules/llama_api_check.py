@@ -31,7 +31,7 @@ options:
     required: true
   api_key:
     description:
-      - Key sent as C(Authorization: Bearer) and C(x-api-key) when the server requires one.
+      - Key sent as a bearer token in C(Authorization) and as C(x-api-key) when the server requires one.
       - When set, requests without it and with a wrong key must be refused with HTTP 401.
     type: str
     default: ""
@@ -76,18 +76,18 @@ options:
     description: Throughput requests made; the numbers returned are their medians.
     type: int
     default: 3
-author: v100-llm-box
+author: v100box maintainers (!UNKNOWN)
 """
 
 EXAMPLES = r"""
 - name: Check the Gemma server
-  llama_api_check:
+  v100box.llm.llama_api_check:
     base_url: http://127.0.0.1:8011
     model: gemma4-26b-a4b-qat-q4_0
     api_key: "{{ llama_service_api_key }}"
 
 - name: Certify the Gemma server (tool call, streams, throughput)
-  llama_api_check:
+  v100box.llm.llama_api_check:
     base_url: http://127.0.0.1:8011
     model: gemma4-26b-a4b-qat-q4_0
     api_key_file: /etc/llama/keys/gemma.key
@@ -228,6 +228,13 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.six.moves.urllib.error import HTTPError, URLError
 from ansible.module_utils.urls import open_url
 
+from ansible_collections.v100box.llm.plugins.module_utils.llama_api import (
+    error_text,
+    http_error_text,
+    read_key_file,
+    sse_events,
+)
+
 TEXT_KEPT = 200
 ANTHROPIC_VERSION = "2023-06-01"
 
@@ -259,17 +266,6 @@ THROUGHPUT_PROMPT = (
 )
 
 
-def _error_text(exc):
-    """The server's own error message from an HTTP error body, when it sent one."""
-    try:
-        body = json.loads(exc.read() or b"{}")
-    except (ValueError, OSError, AttributeError):
-        return ""
-    error = body.get("error") if isinstance(body, dict) else None
-    message = error.get("message") if isinstance(error, dict) else error
-    return f": {str(message)[:TEXT_KEPT]}" if message else ""
-
-
 def _open(base_url, path, headers, timeout, body):
     data = None if body is None else json.dumps(body).encode()
     all_headers = dict(headers, **({"Content-Type": "application/json"} if body is not None else {}))
@@ -277,7 +273,8 @@ def _open(base_url, path, headers, timeout, body):
         return open_url(base_url.rstrip("/") + path, data=data, headers=all_headers,
                         method="GET" if body is None else "POST", timeout=timeout)
     except HTTPError as exc:
-        raise RuntimeError(f"{path} answered HTTP {exc.code}{_error_text(exc)}") from None
+        message = http_error_text(exc)
+        raise RuntimeError(f"{path} answered HTTP {exc.code}" + (f": {message[:TEXT_KEPT]}" if message else "")) from None
     except (URLError, OSError) as exc:
         raise RuntimeError(f"{path}: {getattr(exc, 'reason', exc)}") from None
 
@@ -299,17 +296,10 @@ def stream_events(base_url, path, headers, timeout, body):
     response = _open(base_url, path, headers, timeout, body)
     deadline = time.monotonic() + timeout
     try:
-        for raw in response:
+        for _name, data in sse_events(response):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{path} was still streaming after {timeout} s")
-            line = raw.decode("utf-8", "replace").strip()
-            if not line.startswith("data:"):
-                continue
-            payload = line[len("data:"):].strip()
-            try:
-                yield json.loads(payload)
-            except ValueError:
-                yield payload
+            yield data
     except OSError as exc:
         raise RuntimeError(f"{path} stopped streaming: {exc}") from None
     finally:
@@ -400,9 +390,8 @@ def check_openai_stream(base_url, model, headers, timeout, max_tokens):
                 result["done"] = True
                 break
             if isinstance(event, dict) and event.get("error"):
-                error = event["error"]
                 return dict(result, detail=f"the stream carried an error after {result['chunks']} chunks: "
-                                           f"{(error.get('message') if isinstance(error, dict) else error)}")
+                                           f"{error_text(event)}")
             result["chunks"] += 1
     except RuntimeError as exc:
         return dict(result, detail=f"after {result['chunks']} chunks: {exc}")
@@ -423,9 +412,8 @@ def check_anthropic_stream(base_url, model, headers, timeout, max_tokens):
             result["events"] += 1
             kind = event.get("type") if isinstance(event, dict) else None
             if kind == "error" or (isinstance(event, dict) and "code" in event and "message" in event):
-                error = event.get("error") if isinstance(event.get("error"), dict) else event
                 return dict(result, detail=f"the stream carried an error after {result['events'] - 1} events: "
-                                           f"{error.get('message')}")
+                                           f"{error_text(event)}")
             if kind == "message_stop":
                 result["message_stop"] = True
                 break
@@ -527,11 +515,11 @@ def main():
             api_key=dict(type="str", default="", no_log=True),
             api_key_file=dict(type="str", default=""),
             prompt=dict(type="str", default="Say hello in five words."),
-            max_tokens=dict(type="int", default=16),
+            max_tokens=dict(type="int", default=16, no_log=False),
             timeout=dict(type="int", default=120),
             chat=dict(type="bool", default=True),
             certify=dict(type="bool", default=False),
-            throughput_max_tokens=dict(type="int", default=64),
+            throughput_max_tokens=dict(type="int", default=64, no_log=False),
             throughput_runs=dict(type="int", default=3),
         ),
         supports_check_mode=True,
@@ -545,8 +533,7 @@ def main():
     api_key = params["api_key"]
     if not api_key and params["api_key_file"]:
         try:
-            with open(params["api_key_file"], encoding="utf-8") as handle:
-                api_key = (handle.read().splitlines() or [""])[0].strip()
+            api_key = read_key_file(params["api_key_file"])
         except OSError as exc:
             module.fail_json(msg=f"cannot read the key file {params['api_key_file']}: {exc.strerror}",
                              health="unknown")

@@ -47,12 +47,12 @@ options:
     description: Whether to ask C(nvidia-smi) what memory each process holds on each card (one more call).
     type: bool
     default: false
-author: v100-llm-box
+author: v100box maintainers (!UNKNOWN)
 """
 
 EXAMPLES = r"""
 - name: Read the units, models, engines and GPUs
-  llama_box_state:
+  v100box.llm.llama_box_state:
     units: [llama-tiny-llama]
     files: [/var/lib/llama/models/tiny-llama-128k-q8_0.gguf]
     links: [/opt/llama/cpu/current]
@@ -112,6 +112,8 @@ import os
 
 from ansible.module_utils.basic import AnsibleModule
 
+from ansible_collections.v100box.llm.plugins.module_utils.systemd import show_properties
+
 UNIT_PROPERTIES = ("Id", "LoadState", "ActiveState", "SubState", "UnitFileState", "FragmentPath", "DropInPaths",
                    "NeedDaemonReload", "MainPID")
 GPU_QUERY = "index,name,driver_version,temperature.gpu,memory.used,memory.total"
@@ -127,11 +129,9 @@ MARKER_FIELDS = ("size", "mtime_ns", "inode", "uid")
 
 
 def parse_show(text, names):
-    """``systemctl show`` prints one block per unit, in the order asked, properties as ``Key=value``."""
-    blocks = text.strip("\n").split("\n\n")
+    """``systemctl show``'s answer for ``names``, asked in that order: what each unit's properties say."""
     units = {}
-    for name, block in zip(names, blocks):
-        props = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
+    for name, props in zip(names, show_properties(text)):
         units[name] = {
             "load": props.get("LoadState", ""),
             "active": props.get("ActiveState", ""),
@@ -225,13 +225,18 @@ def parse_gpus(text):
     return gpus
 
 
-def read_gpus(run):
+def _smi(run, args, parse):
+    """(what ``parse`` reads in nvidia-smi's answer to ``args``, "") or ([], why there is none)."""
     if not os.access(NVIDIA_SMI, os.X_OK):
         return [], "nvidia-smi not found"
-    rc, out, err = run([NVIDIA_SMI, "--query-gpu=" + GPU_QUERY, "--format=csv"])
+    rc, out, err = run([NVIDIA_SMI, *args])
     if rc != 0:
         return [], f"nvidia-smi exited {rc}: " + (err or out).strip()[:300]
-    return parse_gpus(out), ""
+    return parse(out), ""
+
+
+def read_gpus(run):
+    return _smi(run, ["--query-gpu=" + GPU_QUERY, "--format=csv"], parse_gpus)
 
 
 def _present(text):
@@ -254,12 +259,8 @@ def parse_compute_apps(text):
 
 
 def read_gpu_processes(run):
-    if not os.access(NVIDIA_SMI, os.X_OK):
-        return [], "nvidia-smi not found"
-    rc, out, err = run([NVIDIA_SMI, "--query-compute-apps=" + COMPUTE_APPS_QUERY, "--format=csv,noheader,nounits"])
-    if rc != 0:
-        return [], f"nvidia-smi exited {rc}: " + (err or out).strip()[:300]
-    return parse_compute_apps(out), ""
+    return _smi(run, ["--query-compute-apps=" + COMPUTE_APPS_QUERY, "--format=csv,noheader,nounits"],
+                parse_compute_apps)
 
 
 def main():

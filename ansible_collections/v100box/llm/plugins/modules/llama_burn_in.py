@@ -94,12 +94,12 @@ options:
         then is caught. A reboot during the module would end the module itself.
     type: str
     default: ""
-author: v100-llm-box
+author: v100box maintainers (!UNKNOWN)
 """
 
 EXAMPLES = r"""
 - name: Burn the box in for 25 minutes
-  llama_burn_in:
+  v100box.llm.llama_burn_in:
     services:
       - {name: llama-gemma, port: 8011, model: gemma4-26b-a4b-qat-q4_0, api_key_file: /etc/llama/gemma.key}
     duration_s: 1500
@@ -165,6 +165,15 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.six.moves.urllib.error import HTTPError, URLError
 from ansible.module_utils.urls import open_url
 
+from ansible_collections.v100box.llm.plugins.module_utils.hosts import reachable_host
+from ansible_collections.v100box.llm.plugins.module_utils.llama_api import (
+    error_text,
+    http_error_text,
+    read_key_file,
+    sse_events,
+)
+from ansible_collections.v100box.llm.plugins.module_utils.systemd import show_properties
+
 # The contract with lab/standin_smi.py and the thermal guard: these fields, in this order.
 SAMPLE_QUERY = ("index,uuid,temperature.gpu,temperature.memory,power.draw,power.limit,clocks.sm,clocks.mem,"
                 "clocks_throttle_reasons.active")
@@ -229,7 +238,7 @@ def decode_throttle(mask):
     except ValueError:
         return None
     names = [name for bit, name in THROTTLE_BITS if value & bit]
-    known = sum(bit for bit, _ in THROTTLE_BITS)
+    known = sum(bit for bit, _reason in THROTTLE_BITS)
     names += [f"unknown_{bit:#x}" for bit in (1 << n for n in range(64)) if value & bit and not bit & known]
     return names
 
@@ -256,7 +265,7 @@ def parse_sample(text):
 
 def parse_show(text):
     """``systemctl show -p NRestarts -p InvocationID`` for one unit: (NRestarts or None, InvocationID)."""
-    props = dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+    props = show_properties(text)[0]
     restarts = props.get("NRestarts", "").strip()
     return (int(restarts) if restarts.isdigit() else None), props.get("InvocationID", "").strip()
 
@@ -368,7 +377,7 @@ def read_boot_id():
 
 
 def read_unit(name):
-    rc, out, _ = _run(["systemctl", "show", name + ".service", "-p", "NRestarts", "-p", "InvocationID"])
+    rc, out, _err = _run(["systemctl", "show", name + ".service", "-p", "NRestarts", "-p", "InvocationID"])
     return parse_show(out) if rc == 0 else (None, "")
 
 
@@ -394,44 +403,17 @@ class RequestFailed(Exception):
     pass
 
 
-def _events(response):
-    """(event name, data) of each server-sent event; data is decoded JSON, or the raw text when it is not."""
-    event = ""
-    while True:
-        line = response.readline()
-        if not line:
-            return
-        line = line.decode("utf-8", "replace").rstrip("\r\n")
-        if line.startswith("event:"):
-            event = line[6:].strip()
-        elif line.startswith("data:"):
-            raw = line[5:].strip()
-            try:
-                data = json.loads(raw)
-            except ValueError:
-                data = raw
-            yield event, data
-            event = ""
-
-
-def _error_text(data):
-    error = data.get("error") if isinstance(data, dict) else None
-    if isinstance(error, dict):
-        return str(error.get("message") or error)
-    return str(error) if error else ""
-
-
 def read_stream(api, response, clock=time.monotonic):
     """Consume one streamed reply: (tokens, first token time, last token time); RequestFailed when it errs or
     ends before its done mark. Tokens are the server's own count (usage) when it sends one, else the chunks."""
     chunks, counted, first_at, last_at = 0, None, None, None
-    for event, data in _events(response):
+    for event, data in sse_events(response):
         if data == DONE_MARK["openai"] and api == "openai":
             break
         if not isinstance(data, dict):
             continue
         if event == "error" or data.get("type") == "error" or "error" in data:
-            raise RequestFailed("error in the stream: " + (_error_text(data) or json.dumps(data)[:MESSAGE_CHARS]))
+            raise RequestFailed("error in the stream: " + (error_text(data) or json.dumps(data)[:MESSAGE_CHARS]))
         if api == "openai":
             delta = ((data.get("choices") or [{}])[0].get("delta") or {})
             text = delta.get("content") or delta.get("reasoning_content")
@@ -474,10 +456,7 @@ def one_request(service, api, max_tokens, timeout):
         finally:
             response.close()
     except HTTPError as exc:
-        try:
-            detail = _error_text(json.loads(exc.read() or b"{}"))
-        except (ValueError, OSError):
-            detail = ""
+        detail = http_error_text(exc)
         raise RequestFailed(f"HTTP {exc.code}" + (f": {detail}" if detail else "")) from None
     except (URLError, OSError) as exc:
         raise RequestFailed(str(getattr(exc, "reason", exc))) from None
@@ -555,15 +534,6 @@ class BurnIn:
         return self.result
 
 
-def reach(bind):
-    """The address to reach a server listening on ``bind`` from the box itself."""
-    if bind in ("", "0.0.0.0", "*"):
-        return "127.0.0.1"
-    if bind in ("::", "[::]"):
-        return "[::1]"
-    return f"[{bind}]" if ":" in bind and not bind.startswith("[") else bind
-
-
 def burn_in(services, duration_s, concurrency, max_tokens, sample_interval_s, timeout, tolerated=(),
             boot_id_before="", nvidia_smi="/usr/bin/nvidia-smi"):
     """Read the box, load it, read it again; the module's whole answer."""
@@ -595,7 +565,7 @@ def main():
             bind=dict(type="str", default="127.0.0.1"),
             duration_s=dict(type="float", required=True),
             concurrency=dict(type="int", default=2),
-            max_tokens=dict(type="int", default=64),
+            max_tokens=dict(type="int", default=64, no_log=False),
             sample_interval_s=dict(type="float", default=5),
             timeout=dict(type="int", default=120),
             tolerated_throttle=dict(type="list", elements="str", default=[], choices=list(THROTTLING)),
@@ -623,15 +593,14 @@ def main():
         key = entry["api_key"]
         if not key and entry["api_key_file"]:
             try:
-                with open(entry["api_key_file"], encoding="utf-8") as handle:
-                    key = (handle.read().splitlines() or [""])[0].strip()
+                key = read_key_file(entry["api_key_file"])
             except OSError as exc:
                 module.fail_json(msg=f"cannot read the key file {entry['api_key_file']} of service "
                                      f"{entry['name']}: {exc.strerror}")
             if key:
                 module.no_log_values.add(key)
         services.append({"name": entry["name"], "model": entry["model"], "api_key": key,
-                         "base_url": entry["base_url"] or f"http://{reach(params['bind'])}:{entry['port']}"})
+                         "base_url": entry["base_url"] or f"http://{reachable_host(params['bind'])}:{entry['port']}"})
     if module.check_mode:
         module.exit_json(changed=False, msg="check mode: no load sent", **empty_result(sorted(names)))
     result = burn_in(services, params["duration_s"], params["concurrency"], params["max_tokens"],

@@ -10,7 +10,7 @@ description:
     (v4 SHA-1, v5 and v6 SHA-256, as RFC 4880 and RFC 9580 define them) and fails unless the file holds exactly
     one primary key and its fingerprint is I(fingerprint).
   - Needs no gpg on the host (a Debian minbase system has only gpgv). Read-only.
-  - A file holding a second key is refused too: apt's C(signed-by) would trust every key in the file.
+  - A file holding a second key is refused too, because apt's C(signed-by) would trust every key in the file.
 options:
   path:
     description: The key file on the host.
@@ -24,12 +24,12 @@ options:
     description: What the key signs, for the failure message.
     type: str
     default: the repository
-author: v100-llm-box
+author: v100box maintainers (!UNKNOWN)
 """
 
 EXAMPLES = r"""
 - name: Check the CUDA repository key before trusting it
-  openpgp_fingerprint:
+  v100box.llm.openpgp_fingerprint:
     path: /etc/apt/keyrings/nvidia-cuda.asc.download
     fingerprint: EB693B3035CD5710E231E123A4B469963BF863CC
 """

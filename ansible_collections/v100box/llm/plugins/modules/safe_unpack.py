@@ -13,9 +13,9 @@ description:
     archive must not be able to plant a setuid binary or write outside O(dest).
   - Nothing is taken from the archive but names, contents, the executable bit and link targets. Every file
     belongs to the user running the module; folders get C(0755), executables C(0755), other files C(0644).
-  - Refused, with the member named, and O(dest) removed again: absolute names and names with C(..); setuid or
-    setgid members; device files, FIFOs and sockets; symbolic links whose target leaves O(dest) or is
-    absolute; hard links to anything but a file unpacked before them; a member reached through a link; two
+  - Refused, with the member named, and O(dest) removed again, are absolute names and names with C(..), setuid or
+    setgid members, device files, FIFOs and sockets, symbolic links whose target leaves O(dest) or is
+    absolute, hard links to anything but a file unpacked before them, a member reached through a link, and two
     members with the same name.
   - Does the checks itself rather than relying on Python's tar extraction filters, which the Python 3.11.2 of
     Debian 12 does not have.
@@ -37,12 +37,12 @@ attributes:
     support: full
     description: Reads and checks the archive when it exists; writes nothing.
 author:
-  - v100-llm-box
+  - v100box maintainers (!UNKNOWN)
 """
 
 EXAMPLES = r"""
 - name: Unpack the engine pack
-  safe_unpack:
+  v100box.llm.safe_unpack:
     src: /opt/llama/.downloads/llama-upstream-02182fc-linux-x86_64.tar.gz
     dest: /opt/llama/upstream/02182fc.partial
 """

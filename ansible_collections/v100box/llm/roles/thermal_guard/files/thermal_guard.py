@@ -152,8 +152,8 @@ def decide(config: Config, state: State, readings: list[Reading] | None, now: fl
             return []
         state.failing = True
         why = error or "nvidia-smi lists no GPU"
-        return [Step("error", None, None, None, f"cannot read the GPU temperatures: {why}; the guard keeps trying "
-                                                 f"every {_fmt(config.interval_s)} s")]
+        message = f"cannot read the GPU temperatures: {why}; the guard keeps trying every {_fmt(config.interval_s)} s"
+        return [Step("error", None, None, None, message)]
     state.failing = False
     steps: list[Step] = []
     hot = [r for r in readings if _hot(r, config.stop_c, config.memory_stop_c)]
