@@ -20,10 +20,8 @@ Exit status 1 if a memory row misses its target or a pair never drafts.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -35,7 +33,7 @@ from controller.stages.estimate.llamalog import parse_log
 from controller.stages.estimate.source import estimate_draft, estimate_model, with_draft
 from lab.engine_build import build
 from lab.estimate_check import COMPUTE_TOL, KV_TOL, WEIGHTS_TOL, within
-from lab.target import free_port
+from lab.llama_server import serve
 from lab.tinymodels import write_model
 
 PAIRS = [  # (name, shared shape, target layers/ffn, draft layers/ffn)
@@ -48,30 +46,8 @@ PAIRS = [  # (name, shared shape, target layers/ffn, draft layers/ffn)
 CTX = 4096
 
 
-def _serve(server: Path, args: list[str], log: Path) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    with open(log, "wb") as out:
-        process = subprocess.Popen([str(server), *args, "--host", "127.0.0.1", "--port", str(port), "-lv", "4"],
-                                   stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return process, port
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    process.kill()
-    raise SystemExit(f"llama-server did not start:\n{log.read_text()[-2000:]}")
-
-
-def _stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    process.wait(timeout=15)
-
-
-def _complete(port: int) -> dict:
-    return httpx.post(f"http://127.0.0.1:{port}/completion", timeout=300,
+def _complete(url: str) -> dict:
+    return httpx.post(f"{url}/completion", timeout=300,
                       json={"prompt": "the quick brown fox jumps over the lazy dog", "n_predict": 128,
                             "temperature": 0, "cache_prompt": False}).json()["timings"]
 
@@ -89,17 +65,14 @@ def main() -> int:
             common = {**shape, "tied_embeddings": True, "seed": 11}
             target = write_model(folder / f"{name}-t.gguf", "llama", n_layer=t_layers, n_ff=t_ff, **common)
             draft = write_model(folder / f"{name}-d.gguf", "llama", n_layer=d_layers, n_ff=d_ff, **common)
-            base = ["-m", str(target), "-c", str(CTX), "-np", "1", "-t", "2"]
+            base = ["-c", str(CTX), "-np", "1"]
             spec = ["--spec-type", "draft-simple", "--model-draft", str(draft), "--spec-draft-n-max", "5",
                     "--spec-draft-n-min", "0"]
-            process, port = _serve(server, base, folder / "alone.log")
-            alone = _complete(port)
-            _stop(process)
-            log_path = folder / "pair.log"
-            process, port = _serve(server, base + spec, log_path)
-            paired = _complete(port)
-            _stop(process)
-            log = parse_log(log_path.read_text(errors="replace"))
+            with serve(server, target, base) as running:
+                alone = _complete(running.url)
+            with serve(server, target, base + spec) as running:
+                paired = _complete(running.url)
+                log = parse_log(running.log())
             options = {"ctx": CTX, "parallel": 1, "kv_unified": False}
             data = with_draft(estimate_model(str(target), **options).to_json(),
                               estimate_draft(str(draft), [], [], **options))

@@ -38,11 +38,9 @@ sys.path.insert(0, str(ROOT))
 
 from controller.actions.fleetrun import check_selection, probe_and_plan  # noqa: E402
 from controller.model.fleet import load_fleet  # noqa: E402
-from lab import host as lab_host  # noqa: E402
 from lab import image as lab_image  # noqa: E402
 from lab import target as lab_target  # noqa: E402
 from lab.demo import write_fleet  # noqa: E402
-from lab.engine_build import build  # noqa: E402
 from lab.fileserver import FileServer  # noqa: E402
 from lab.site import build_site  # noqa: E402
 from lab.target import free_port  # noqa: E402
@@ -181,8 +179,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--boxes", type=int, nargs="+", default=[1, 3, 6])
     args = parser.parse_args()
-    build()  # the one-off engine build: cached, not timed
-    lab_host.ensure_host_ready()
     image = lab_image.ensure_image()
     rows = []
     with tempfile.TemporaryDirectory(prefix="fleet-bench-") as name:

@@ -99,23 +99,6 @@ _SLOW_HEADERS = b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\ncontent
 _SLOW = {"body": _SLOW_HEADERS + b"content-length: 4096\r\n\r\n{\"messages\": [", "headers": _SLOW_HEADERS}
 
 
-def _open_slow(port: int, count: int, kind: str) -> list[socket.socket]:
-    """``count`` keyless clients from SLOW_SOURCE that send part of a request and then nothing."""
-    held = []
-    for _ in range(count):
-        sock = socket.socket()
-        try:
-            sock.bind((SLOW_SOURCE, 0))
-            sock.settimeout(2)
-            sock.connect(("127.0.0.1", port))
-            sock.sendall(_SLOW[kind])
-        except OSError:  # refused, or closed by the gateway as it arrived
-            sock.close()
-            continue
-        held.append(sock)
-    return held
-
-
 def _slow_states(sockets: list[socket.socket]) -> dict[str, int]:
     """How each slow connection stands: held (no answer, still open), answered with a status, or closed."""
     states: dict[str, int] = {}
@@ -264,7 +247,7 @@ def _slow_cases(args: argparse.Namespace, port: int, key: str, master: int) -> i
     lost_total = 0
     for count in args.slow_clients:
         alone = _run(gateway_ports, bodies, key, args.slow_concurrency, args.slow_timeout)
-        sockets = _open_slow(port, count, args.slow_kind)
+        sockets = haproxy.stalled_clients(port, count, SLOW_SOURCE, _SLOW[args.slow_kind], timeout=2)
         try:
             time.sleep(1)
             states = _slow_states(sockets)

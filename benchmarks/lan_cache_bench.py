@@ -36,20 +36,11 @@ from controller.stages.render import read_rendered  # noqa: E402
 from controller.stages.runner import run_playbook  # noqa: E402
 from lab import image as lab_image  # noqa: E402
 from lab.fileserver import FileServer  # noqa: E402
-from lab.site import MODEL_REPO, PACK_NAME, build_site  # noqa: E402
-from lab.target import Target, free_port  # noqa: E402
+from lab.site import MODEL_REPO, PACK_NAME, build_site, mirror  # noqa: E402
+from lab.target import Target, free_port, role_play  # noqa: E402
 
 BOXES = ("c1", "c2", "c3")
-PLAY = """
-- name: Fetch with the download roles of playbooks/site.yml
-  hosts: all
-  gather_facts: false
-  pre_tasks:
-    - name: Gather the facts the roles read
-      ansible.builtin.setup:
-        gather_subset: ['!all', '!min', 'distribution', 'pkg_mgr']
-  roles: [lan_cache, llama_engine, gguf_model]
-"""
+PLAY = role_play("Fetch with the download roles of playbooks/site.yml", ["lan_cache", "llama_engine", "gguf_model"])
 
 
 def main() -> int:
@@ -68,12 +59,11 @@ def main() -> int:
         with FileServer(root) as server:
             for _ in BOXES:
                 targets.append(Target.start(image=image))
-            boxes = {name: {"address": t.host, "port": t.ssh_port, "user": "root", "key": str(t.key),
-                            "models": [{"id": "tiny-llama", "ctx": 2048}]} for name, t in zip(BOXES, targets, strict=True)}
+            boxes = {name: {**target.fleet_entry(), "models": [{"id": "tiny-llama", "ctx": 2048}]}
+                     for name, target in zip(BOXES, targets, strict=True)}
             cache = {"host": "c1", "address": "127.0.0.1", "bind": "127.0.0.1", "port": free_port(),
-                     "models": server.url, "engines": f"{server.url}/engines"}
-            plain = {name: {**box, "mirror": {"models": server.url, "engines": f"{server.url}/engines"}}
-                     for name, box in boxes.items()}
+                     **mirror(server.url)}
+            plain = {name: {**box, "mirror": mirror(server.url)} for name, box in boxes.items()}
             cached_boxes = {**boxes, "c1": {**boxes["c1"], "vars": {"lan_cache_slice": args.slice}}}
             rows = []
             for label, fleet_body in (("no cache", {"boxes": plain}),

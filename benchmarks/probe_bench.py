@@ -42,8 +42,7 @@ def main() -> None:
     with lab_target.Target.start(image=image) as box, tempfile.TemporaryDirectory(prefix="probe-bench-") as tmp:
         standin_smi.install(box, standin_smi.captures_from_dir(FIXTURES / args.machine))
         fleet = Path(tmp) / "fleet.yml"
-        fleet.write_text(yaml.safe_dump({"boxes": {"bench": {
-            "address": box.host, "port": box.ssh_port, "user": "root", "key": str(box.key)}}}))
+        fleet.write_text(yaml.safe_dump({"boxes": {"bench": box.fleet_entry()}}))
         target = load_fleet(fleet).box("bench")
         first = None
         timings = []

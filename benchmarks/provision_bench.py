@@ -21,11 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from controller.actions.provision import provision
 from controller.model.fleet import load_fleet
-from lab import host as lab_host
 from lab import image as lab_image
 from lab import target as lab_target
 from lab.demo import write_fleet
-from lab.engine_build import build
 from lab.fileserver import FileServer
 from lab.site import build_site
 
@@ -35,20 +33,18 @@ def one_run(work: Path, site: Path, catalog: Path, image: str) -> tuple[float, i
         fleet_path = write_fleet(work, box, server, catalog)
         inventory = work / "inventory"
         started = time.monotonic()
-        _report, fresh = provision(load_fleet(fleet_path), "demo", inventory)
+        fresh = provision(load_fleet(fleet_path), ["demo"], inventory, raise_failures=True)
         fresh_s = time.monotonic() - started
         started = time.monotonic()
-        report, rerun = provision(load_fleet(fleet_path), "demo", inventory)
+        rerun = provision(load_fleet(fleet_path), ["demo"], inventory, raise_failures=True)
         rerun_s = time.monotonic() - started
-    return fresh_s, fresh.changed, rerun_s, rerun.changed, report["verified"]
+    return fresh_s, fresh.run.changed, rerun_s, rerun.run.changed, rerun.reports["demo"]["verified"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
-    build()  # the one-off engine build: cached, not timed
-    lab_host.ensure_host_ready()
     image = lab_image.ensure_image()
     rows = []
     with tempfile.TemporaryDirectory(prefix="provision-bench-") as tmp:

@@ -27,11 +27,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lab import host as lab_host  # noqa: E402
 from lab import image as lab_image  # noqa: E402
 from lab import target as lab_target  # noqa: E402
 from lab.demo import write_fleet  # noqa: E402
-from lab.engine_build import build  # noqa: E402
 from lab.fileserver import FileServer  # noqa: E402
 from lab.site import build_site  # noqa: E402
 from lab.target import free_port  # noqa: E402
@@ -50,9 +48,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3, help="status runs per size after the first")
     args = parser.parse_args()
     most = max(args.boxes)
-    lab_host.ensure_host_ready()
     image = lab_image.ensure_image()
-    build()
     with tempfile.TemporaryDirectory(prefix="status-bench-") as work_dir, ExitStack() as stack:
         work = Path(work_dir)
         catalog = build_site(work / "site")

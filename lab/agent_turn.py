@@ -14,37 +14,20 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
+from controller.inventory import Inventory
 from controller.model.fleet import load_fleet
 from lab.claude_code import claude_binary, claude_env
+from lab.llama_server import start, stop
 
 CLAUDE_TIMEOUT_S = 300
 
 
-def wait_healthy(url: str, process: subprocess.Popen, log: Path, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"llama-server exited {process.returncode}: {log.read_text(errors='replace')[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"llama-server did not become healthy: {log.read_text(errors='replace')[-2000:]}")
-
-
 def run_turn(fleet_path: Path, box_name: str, server: Path, prompt: str) -> dict:
-    from controller.actions.clients import load_plan
-
     fleet = load_fleet(fleet_path)
     box = fleet.box(box_name)
-    plan = load_plan(fleet_path.parent / "inventory", box)
+    plan = Inventory.beside(fleet_path).plan(box.name)
     service = plan.services[0]
     clients = subprocess.run([sys.executable, "-m", "controller", "clients", box_name, "--fleet", str(fleet_path),
                               "--json", "--for", "claude-code"], capture_output=True, text=True, check=True)
@@ -53,19 +36,16 @@ def run_turn(fleet_path: Path, box_name: str, server: Path, prompt: str) -> dict
     binary = claude_binary()
     with tempfile.TemporaryDirectory(prefix="agent-turn-") as tmp:
         log = Path(tmp) / "server.log"
-        with open(log, "wb") as handle:
-            process = subprocess.Popen([str(server), *service.args, "--api-key-file", str(box.api_key.file),
-                                        "-lv", "4"], stdout=handle, stderr=subprocess.STDOUT)
+        process = start(server, [*service.args, "--api-key-file", str(box.api_key.file)], log,
+                        env["ANTHROPIC_BASE_URL"])
         try:
-            wait_healthy(env["ANTHROPIC_BASE_URL"], process, log)
             work = Path(tmp) / "work"
             work.mkdir()
             turn = subprocess.run([str(binary), "-p", prompt, "--output-format", "json"], check=False, cwd=work,
                                   env=claude_env(env, home=Path(tmp) / "home"), capture_output=True, text=True,
                                   timeout=CLAUDE_TIMEOUT_S)
         finally:
-            process.terminate()
-            process.wait(timeout=30)
+            stop(process)
         try:
             result = json.loads(turn.stdout)
         except ValueError:

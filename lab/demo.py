@@ -21,7 +21,7 @@ from lab import host as lab_host
 from lab import image as lab_image
 from lab import target as lab_target
 from lab.fileserver import FileServer
-from lab.site import build_site
+from lab.site import build_site, mirror
 
 DEMO_NAME = "v100box-demo"
 DEMO_BOX = "demo"
@@ -101,7 +101,7 @@ def write_fleet(folder: Path, target: lab_target.Target | list[lab_target.Target
             "models": [{"id": "tiny-llama", "agents": ["claude-code", "openclaw"]}],
             "base_port": base_port + PORT_STEP * (index - 1),
             "api_key": {"file": str(api_key_file(folder, box_name(index)))},
-            "mirror": {"engines": f"{server.url}/engines", "models": server.url},
+            "mirror": mirror(server.url),
         }
         for index, one in enumerate(targets, start=1)
     }

@@ -4,36 +4,27 @@ distribution's package on a box; the lab fetches the same .debs once and caches 
 ``debs()`` is the folder of .deb files a target installs with dpkg; ``unpacked()`` is the haproxy binary
 unpacked on this machine with the environment that finds its libraries, for running it without a target.
 ``render_config()`` renders the role's own template with Ansible, as the role does on a box.
+``stalled_clients()`` opens the connections of clients that send part of a request and then nothing.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
-import sys
 from pathlib import Path
 
-from lab.engine_build import cache_root
+from lab import localplay
+from lab.host import debian_packages
 
-ROOT = Path(__file__).resolve().parents[1]
 # haproxy and what a Debian 12 minbase system lacks of its dependencies (apt-cache depends haproxy).
 DEBS = ("haproxy", "liblua5.3-0", "libopentracing-c-wrapper0", "libopentracing1")
 
 
 def debs() -> Path:
     """The folder of the Debian 12 packages, downloaded once into ~/.cache/v100-llm-box/debs/haproxy."""
-    folder = cache_root() / "debs" / "haproxy"
-    folder.mkdir(parents=True, exist_ok=True)
-    if len(list(folder.glob("*.deb"))) < len(DEBS):
-        done = subprocess.run(["apt-get", "download", *DEBS], cwd=folder, capture_output=True, text=True, check=False)
-        if done.returncode != 0:  # package lists older than the archive: refresh them once
-            subprocess.run(["apt-get", "update", "-qq"], capture_output=True, check=False, timeout=300)
-            done = subprocess.run(["apt-get", "download", *DEBS], cwd=folder, capture_output=True, text=True,
-                                  check=False)
-        if done.returncode != 0:
-            raise RuntimeError(f"apt-get download {' '.join(DEBS)} failed: {done.stderr.strip()}")
-    return folder
+    return debian_packages("haproxy", DEBS)
 
 
 def unpacked() -> tuple[Path, dict[str, str]]:
@@ -47,40 +38,37 @@ def unpacked() -> tuple[Path, dict[str, str]]:
     return binary, {**os.environ, "LD_LIBRARY_PATH": str(root / "usr" / "lib" / "x86_64-linux-gnu")}
 
 
-_PLAYBOOK = """
-- hosts: localhost
-  connection: local
-  gather_facts: false
-  vars_files: [{role}/defaults/main.yml, {role}/vars/main.yml]
-  tasks:
-    - name: Render the gateway configuration
-      ansible.builtin.template:
-        src: {template}
-        dest: {out}/haproxy.cfg
-        mode: "0644"
-"""
-
-
 def render_config(folder: Path, variables: dict, template: Path | None = None) -> Path:
     """roles/llm_gateway's haproxy.cfg for ``variables`` (llm_gateway_*), its tables in ``folder``.
 
     ``template``: another version of the role's template (a benchmark's before and after), rendered with the
     role's current defaults and variables.
     """
-    folder.mkdir(parents=True, exist_ok=True)
-    role = ROOT / "ansible_collections/v100box/llm/roles" / "llm_gateway"
-    (folder / "play.yml").write_text(_PLAYBOOK.format(role=role, out=folder,
-                                                      template=template or role / "templates" / "haproxy.cfg.j2"))
-    (folder / "vars.json").write_text(json.dumps({**variables, "_llm_gateway_dir": str(folder),
-                                                  "ansible_python_interpreter": sys.executable}))
-    done = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,",
-                           str(folder / "play.yml"), "-e", f"@{folder / 'vars.json'}"],
-                          capture_output=True, text=True, check=False, cwd=ROOT, timeout=300)
-    if done.returncode != 0:
-        raise RuntimeError(f"rendering haproxy.cfg failed: {done.stdout[-2000:]}")
+    role = localplay.ROLES / "llm_gateway"
+    task = localplay.template(template or role / "templates" / "haproxy.cfg.j2", folder / "haproxy.cfg",
+                              name="Render the gateway configuration")
+    localplay.run_play("llm_gateway", [task], {**variables, "_llm_gateway_dir": str(folder)}, folder)
     routes = variables["llm_gateway_routes"]
     prefix = "route_"
     (folder / "routes.map").write_text("".join(f"{r['model']} {prefix}{i}\n" for i, r in enumerate(routes, 1)))
     (folder / "models.json").write_text(json.dumps({"object": "list", "data": [
         {"id": r["model"], "object": "model", "owned_by": r["box"]} for r in routes]}))
     return folder / "haproxy.cfg"
+
+
+def stalled_clients(port: int, count: int, source: str, data: bytes, *, timeout: float = 5.0) -> list[socket.socket]:
+    """``count`` connections to loopback ``port`` from the address ``source`` that send ``data`` (part of a
+    request) and then nothing; those the gateway refused or closed as they arrived are not in the list."""
+    opened = []
+    for _ in range(count):
+        sock = socket.socket()
+        try:
+            sock.bind((source, 0))
+            sock.settimeout(timeout)
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(data)
+        except OSError:
+            sock.close()
+            continue
+        opened.append(sock)
+    return opened

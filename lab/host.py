@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from controller.errors import ControllerError
+from lab.engine_build import cache_root
 
 CONTAINERS_CONF = Path("/etc/containers/containers.conf")
 DEFAULT_ULIMITS = {"nofile": "nofile=20000:20000", "nproc": "nproc=32768:32768"}
@@ -43,6 +44,22 @@ def require_tools(*tools: str) -> None:
         )
     if os.geteuid() != 0:
         raise LabUnavailable("the systemd target needs rootful podman: run as root")
+
+
+def debian_packages(group: str, names: Sequence[str]) -> Path:
+    """A folder of Debian 12 packages (``apt-get download NAMES``), fetched once on this machine into
+    ~/.cache/v100-llm-box/debs/<group>, for a target to install with dpkg or a test to unpack."""
+    folder = cache_root() / "debs" / group
+    folder.mkdir(parents=True, exist_ok=True)
+    if len(list(folder.glob("*.deb"))) < len(names):
+        done = subprocess.run(["apt-get", "download", *names], cwd=folder, capture_output=True, text=True, check=False)
+        if done.returncode != 0:  # package lists older than the archive: refresh them once
+            subprocess.run(["apt-get", "update", "-qq"], capture_output=True, check=False, timeout=300)
+            done = subprocess.run(["apt-get", "download", *names], cwd=folder, capture_output=True, text=True,
+                                  check=False)
+        if done.returncode != 0:
+            raise LabError(f"apt-get download {' '.join(names)} failed: {done.stderr.strip()}")
+    return folder
 
 
 def ensure_host_ready() -> None:

@@ -39,6 +39,46 @@ def _tail(path: Path, lines: int = 40) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
+def _wait_healthy(url: str, process: subprocess.Popen[bytes], log_path: Path, timeout: float = 120.0) -> None:
+    """Return once ``url/health`` answers 200; ServerStartError when the server exits first or takes too long."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise ServerStartError(f"llama-server exited with {process.returncode}:\n{_tail(log_path)}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise ServerStartError(f"llama-server not healthy after {timeout:.0f}s:\n{_tail(log_path)}")
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    """Terminate the server; kill it when it has not exited 15 s later."""
+    process.terminate()
+    try:
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def start(server: Path, args: Sequence[str], log_path: Path, url: str, *,
+          timeout: float = 120.0) -> subprocess.Popen[bytes]:
+    """Start ``server ARGS -lv 4`` (ARGS name its model, host and port; ``url`` is where it answers) with all it
+    prints in ``log_path``, and wait until it is healthy; a server that exits or never gets healthy is stopped
+    and raises ServerStartError."""
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen([str(server), *args, "-lv", "4"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_healthy(url, process, log_path, timeout)
+    except BaseException:
+        stop(process)
+        raise
+    return process
+
+
 @contextmanager
 def serve(
     server: Path, model: Path, args: Sequence[str] = (), *, timeout: float = 120.0, threads: int = 2
@@ -47,35 +87,13 @@ def serve(
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="llama-server-") as tmp:
         log_path = Path(tmp) / "server.log"
-        command = [str(server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-lv", "4",
-                   "-t", str(threads), *args]
-        with open(log_path, "wb") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        running = RunningServer(f"http://127.0.0.1:{port}", port, log_path, process)
+        url = f"http://127.0.0.1:{port}"
+        process = start(server, ["-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+                                 *args], log_path, url, timeout=timeout)
         try:
-            _wait_healthy(running, timeout)
-            yield running
+            yield RunningServer(url, port, log_path, process)
         finally:
-            process.terminate()
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
-def _wait_healthy(running: RunningServer, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if running.process.poll() is not None:
-            raise ServerStartError(f"llama-server exited with {running.process.returncode}:\n{_tail(running.log_path)}")
-        try:
-            if httpx.get(f"{running.url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise ServerStartError(f"llama-server not healthy after {timeout:.0f}s:\n{_tail(running.log_path)}")
+            stop(process)
 
 
 def load_log(server: Path, model: Path, args: Sequence[str] = (), *, timeout: float = 300.0) -> str:

@@ -104,7 +104,7 @@ def run_turn(entry: dict[str, Any], message: str, work: Path, home: Path, user_c
     ``controller clients`` and the agent_clients role do. Returns ``{"config", "validate", "result", "stdout",
     "stderr", "returncode"}``; ``result`` is the ``--json`` envelope, or None when stdout is not JSON.
     """
-    from controller.actions.clients import merge_openclaw
+    from ansible_collections.v100box.llm.plugins.plugin_utils.openclaw import merge_openclaw
 
     binary = openclaw_binary()
     env = openclaw_env(home)

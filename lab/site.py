@@ -143,6 +143,11 @@ def write_model(model: LabModel, path: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def mirror(url: str) -> dict[str, str]:
+    """A fleet's ``mirror:`` for the site served at ``url``: its engine packs and its models."""
+    return {"engines": f"{url}/engines", "models": url}
+
+
 def build_site(root: Path, models: tuple[LabModel, ...] = SITE_MODELS) -> Path:
     """Fill ``root`` with the engine pack and the models; returns the catalog file."""
     engines = root / "engines"

@@ -29,6 +29,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+import yaml
+
 from lab.engine_build import cache_root
 from lab.host import LabError, cache_lock, podman, require_tools
 from lab.image import LABEL, ensure_image
@@ -295,6 +297,10 @@ class Target:
         key = ["-i", str(self.key_path)] if self.key_path else []
         return ["ssh", *key, *options, "-p", str(self.ssh_port), f"{self.user}@{self.host}", *command]
 
+    def fleet_entry(self) -> dict[str, str | int]:
+        """How a fleet file's box reaches this target over SSH: its address, port, user and key."""
+        return {"address": self.host, "port": self.ssh_port, "user": self.user, "key": str(self.key)}
+
     def ansible_host_vars(self) -> dict[str, str | int]:
         """Inventory variables that reach this target over SSH."""
         variables: dict[str, str | int] = {
@@ -339,6 +345,17 @@ def started(image: str, names: Sequence[str]) -> Iterator[dict[str, Target]]:
     """One target per name, started one after another; every one is removed on exit."""
     with ExitStack() as stack:
         yield {name: stack.enter_context(Target.start(image=image)) for name in names}
+
+
+def role_play(name: str, roles: Sequence[str]) -> str:
+    """A playbook that runs the collection's ``roles`` in order on every target, after gathering the facts the
+    Linux roles read (the distribution and its package manager), as playbooks/site.yml does."""
+    return yaml.safe_dump([{
+        "name": name, "hosts": "all", "gather_facts": False,
+        "pre_tasks": [{"name": "Gather the facts the roles read", "ansible.builtin.setup": {
+            "gather_subset": ["!all", "!min", "distribution", "pkg_mgr"]}}],
+        "roles": [{"role": f"v100box.llm.{role}"} for role in roles],
+    }], sort_keys=False)
 
 
 class _PortTaken(Exception):

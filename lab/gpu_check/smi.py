@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -133,6 +133,18 @@ class Answer:
         return f"{self.status.upper():<4} {self.file} ({', '.join(self.users)}): {what}"
 
 
+def _note_gaps(answer: Answer, rows: Sequence[tuple[str, Mapping[str, Any]]], nothing: str, *,
+               keys: Sequence[str] | None = None, what: str = "") -> None:
+    """A problem when a parser read no row (``nothing``), and one for each row that lacks a value (of ``keys``, by
+    default of all it has): ``<row> has no <names><what>``."""
+    if not rows:
+        answer.problems.append(nothing)
+    for name, values in rows:
+        empty = [key for key in (keys or values) if values.get(key) is None]
+        if empty:
+            answer.problems.append(f"{name} has no {', '.join(empty)}{what}")
+
+
 def _read_guard_sample(parsers: Parsers, text: str, answer: Answer) -> None:
     found = []
     if parsers.guard is not None:
@@ -150,12 +162,8 @@ def _read_guard_sample(parsers: Parsers, text: str, answer: Answer) -> None:
             f"{r.index}: {r.temp_c}/{r.memory_temp_c} C" for r in readings))
     if parsers.burn_in is not None:
         gpus = parsers.burn_in.parse_sample(text)
-        if not gpus:
-            answer.problems.append("burn-in: no GPU in the sample")
-        for gpu in gpus:
-            empty = [k for k in ("temp_c", "power_w", "power_limit_w", "sm_clock_mhz", "mem_clock_mhz") if gpu.get(k) is None]
-            if empty:
-                answer.problems.append(f"burn-in: GPU {gpu['index']} has no {', '.join(empty)}")
+        _note_gaps(answer, [(f"burn-in: GPU {gpu['index']}", gpu) for gpu in gpus], "burn-in: no GPU in the sample",
+                   keys=("temp_c", "power_w", "power_limit_w", "sm_clock_mhz", "mem_clock_mhz"))
         found.append(f"burn-in read {len(gpus)}")
     answer.parsed = "; ".join(found)
 
@@ -165,12 +173,8 @@ def _read_guard_power(parsers: Parsers, text: str, answer: Answer) -> None:
         answer.skipped = "the thermal guard script did not load"
         return
     ranges = parsers.guard.parse_power(text)
-    if not ranges:
-        answer.problems.append("no power range read")
-    for index, values in ranges.items():
-        empty = [k for k, v in values.items() if v is None]
-        if empty:
-            answer.problems.append(f"GPU {index} has no {', '.join(empty)} power limit")
+    _note_gaps(answer, [(f"GPU {index}", values) for index, values in ranges.items()], "no power range read",
+               what=" power limit")
     answer.parsed = ", ".join(f"GPU {i}: {v['min']:g}-{v['max']:g} W (default {v['default']:g})"
                               for i, v in ranges.items() if None not in v.values())
 
@@ -180,12 +184,7 @@ def _read_box_state(parsers: Parsers, text: str, answer: Answer) -> None:
         answer.skipped = "llama_box_state did not load"
         return
     gpus = parsers.box_state.parse_gpus(text)
-    if not gpus:
-        answer.problems.append("no GPU read")
-    for gpu in gpus:
-        empty = [k for k, v in gpu.items() if v is None]
-        if empty:
-            answer.problems.append(f"GPU {gpu.get('index')} has no {', '.join(empty)}")
+    _note_gaps(answer, [(f"GPU {gpu.get('index')}", gpu) for gpu in gpus], "no GPU read")
     answer.parsed = ", ".join(f"GPU {g['index']}: {g['name']}, driver {g['driver_version']}, "
                               f"{g['memory_used_mib']}/{g['memory_total_mib']} MiB" for g in gpus)
 

@@ -11,50 +11,25 @@ has systemd-analyze, else from the copy recorded beside the prepared unit.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
-ROOT = Path(__file__).resolve().parents[2]
-ROLE = ROOT / "ansible_collections/v100box/llm/roles" / "llama_service"
-
-_PLAYBOOK = """
-- hosts: localhost
-  connection: local
-  gather_facts: false
-  tasks:
-    - name: Render the instance's unit
-      ansible.builtin.template:
-        src: {template}
-        dest: {dest}
-        mode: "0644"
-      loop: "{{{{ llama_service_instances }}}}"
-"""
+from lab import localplay
 
 
 class RenderError(RuntimeError):
     """ansible-playbook could not render the unit; the message carries its output."""
 
 
-def ansible_playbook() -> str | None:
-    """The ansible-playbook beside this Python (the project's venv), else on PATH."""
-    beside = Path(sys.executable).parent / "ansible-playbook"
-    return str(beside) if beside.is_file() else shutil.which("ansible-playbook")
-
-
 def render_unit(gpus: Sequence[Mapping[str, object]], *, nccl: bool = False, timeout: float = 120) -> str:
     """The unit llama_service writes for one loopback instance on ``gpus`` (dicts with ``index``, ``minor_number``)."""
     from controller.model import rules
 
-    playbook_bin = ansible_playbook()
-    if playbook_bin is None:
+    if localplay.ansible_playbook() is None:
         raise RenderError("ansible-playbook is not installed here: render the unit where it is "
                           "(python -m lab.gpu_check prepare) and pass it with --unit")
     env_vars = {"CUDA_VISIBLE_DEVICES": ",".join(str(g["index"]) for g in gpus)} if gpus else {}
@@ -64,26 +39,21 @@ def render_unit(gpus: Sequence[Mapping[str, object]], *, nccl: bool = False, tim
                 "args": ["--model", "/var/lib/llama/models/tiny.gguf", "--port", "8011"], "env": env_vars}
     with tempfile.TemporaryDirectory(prefix="gpu-check-unit-") as tmp:
         out = Path(tmp) / "llama.service"
-        playbook = Path(tmp) / "render.yml"
-        playbook.write_text(_PLAYBOOK.format(template=ROLE / "templates" / "llama.service.j2", dest=out))
-        extra = Path(tmp) / "vars.yml"
-        extra.write_text(yaml.safe_dump({
-            **yaml.safe_load((ROLE / "defaults" / "main.yml").read_text()),
-            **yaml.safe_load((ROLE / "vars" / "main.yml").read_text()),
-            "llama_service_instances": [instance],
-            "llama_service_bind": "127.0.0.1",
-            "llama_service_api_key": "0123456789abcdef0123",
-            "nvidia_driver_gpus": [dict(g) for g in gpus],
-            "gguf_model_dir": rules.DEFAULT_MODEL_DIR["linux"],
-            "llama_service_template_dir": rules.TEMPLATE_DIR["linux"],
-            "ansible_python_interpreter": sys.executable,
-        }))
-        env = {**os.environ, "ANSIBLE_FILTER_PLUGINS": str(ROOT / "ansible_collections/v100box/llm/plugins" / "filter"), "ANSIBLE_NOCOLOR": "1",
-               "ANSIBLE_LOCAL_TEMP": str(Path(tmp) / "ansible-tmp"), "ANSIBLE_HOME": str(Path(tmp) / "ansible-home")}
-        done = subprocess.run([playbook_bin, str(playbook), "-e", f"@{extra}"], env=env, capture_output=True,
-                              text=True, timeout=timeout, check=False)
-        if done.returncode != 0 or not out.is_file():
-            raise RenderError(f"ansible-playbook failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-1000:]}")
+        task = localplay.template(localplay.ROLES / "llama_service" / "templates" / "llama.service.j2", out,
+                                  name="Render the instance's unit", loop="{{ llama_service_instances }}")
+        try:
+            localplay.run_play("llama_service", [task], {
+                "llama_service_instances": [instance],
+                "llama_service_bind": "127.0.0.1",
+                "llama_service_api_key": "0123456789abcdef0123",
+                "nvidia_driver_gpus": [dict(g) for g in gpus],
+                "gguf_model_dir": rules.DEFAULT_MODEL_DIR["linux"],
+                "llama_service_template_dir": rules.TEMPLATE_DIR["linux"],
+            }, Path(tmp), timeout=timeout)
+        except localplay.PlayError as exc:
+            raise RenderError(str(exc)) from exc
+        if not out.is_file():
+            raise RenderError(f"ansible-playbook wrote no {out.name}")
         return out.read_text()
 
 
@@ -100,6 +70,11 @@ class UnitPolicy:
     protect_kernel_tunables: bool = False
 
 
+# Directives that add to a list on each assignment; an empty assignment resets the list.
+_LIST_DIRECTIVES = {"SystemCallFilter": "syscall_filter", "DeviceAllow": "device_allow",
+                    "RestrictAddressFamilies": "address_families"}
+
+
 def _bool(value: str) -> bool:
     return value.strip().lower() in ("yes", "true", "1", "on")
 
@@ -112,28 +87,19 @@ def parse_unit(text: str) -> UnitPolicy:
         if not line or line.startswith(("#", ";", "[")) or "=" not in line:
             continue
         key, value = (part.strip() for part in line.split("=", 1))
-        if key == "SystemCallFilter":
-            if not value:
-                policy.syscall_filter.clear()
-                continue
+        if key in _LIST_DIRECTIVES and not value:
+            getattr(policy, _LIST_DIRECTIVES[key]).clear()
+        elif key == "SystemCallFilter":
             negate = value.startswith("~")
-            names = value.lstrip("~").split()
-            policy.syscall_filter.append(("~" if negate else "") + " ".join(names))
+            policy.syscall_filter.append(("~" if negate else "") + " ".join(value.lstrip("~").split()))
         elif key == "DevicePolicy":
             policy.device_policy = value
         elif key == "DeviceAllow":
-            if not value:
-                policy.device_allow.clear()
-                continue
             path, _, access = value.partition(" ")
             policy.device_allow.append((path, access.strip() or "rwm"))
         elif key == "RestrictAddressFamilies":
-            if not value:
-                policy.address_families.clear()
-                continue
-            negate = value.startswith("~")
             families = value.lstrip("~").split()
-            if negate:
+            if value.startswith("~"):
                 policy.address_families = ["~", *families]
             else:
                 policy.address_families += families

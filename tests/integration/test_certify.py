@@ -16,9 +16,8 @@ import pytest
 import yaml
 
 from lab import standin_smi
-from lab.fileserver import FileServer
-from lab.target import free_port
 from tests.cli import run_controller
+from tests.integration.provisioned import provisioned_fleet
 
 pytestmark = [pytest.mark.podman, pytest.mark.engine, pytest.mark.slow]
 
@@ -37,23 +36,11 @@ def sample(temp: float, throttle: str = "0x0000000000000000") -> list[dict]:
 
 @pytest.fixture(scope="module")
 def fleet_file(tmp_path_factory, lab_site, systemd_target):
-    root, catalog = lab_site
     folder = tmp_path_factory.mktemp("certify")
-    with FileServer(root) as server:
-        box = {"address": systemd_target.host, "port": systemd_target.ssh_port, "user": "root",
-               "key": str(systemd_target.key), "models": [{"id": "tiny-llama-tools"}],
-               "api_key": {"file": str(folder / "api.key")},
-               "thermal": {"guard": True, "interval_s": 1},
-               "mirror": {"engines": f"{server.url}/engines", "models": server.url}}
-        (folder / "api.key").write_text("certify-test-key-0123456789abcdef\n")
-        fleet = {"catalogs": [str(catalog)], "boxes": {
-            "lab1": {**box, "base_port": free_port()},
-            "lab2": {**box, "port": free_port(), "base_port": free_port()},  # never provisioned
-        }}
-        path = folder / "fleet.yml"
-        path.write_text(yaml.safe_dump(fleet))
-        done = controller("provision", "lab1", "--fleet", str(path), "--json")
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (folder / "api.key").write_text("certify-test-key-0123456789abcdef\n")
+    box = {"models": [{"id": "tiny-llama-tools"}], "api_key": {"file": str(folder / "api.key")},
+           "thermal": {"guard": True, "interval_s": 1}}
+    with provisioned_fleet(folder, lab_site, systemd_target, box, timeout=900) as path:  # lab2 never provisioned
         yield path
 
 

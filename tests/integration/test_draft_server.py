@@ -8,8 +8,6 @@ refuses both and so does the engine.
 
 from __future__ import annotations
 
-import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -21,6 +19,7 @@ from controller.stages.estimate.llamalog import parse_log
 from controller.stages.estimate.source import estimate_draft, estimate_model, with_draft, with_gguf_sources
 from controller.stages.planner import plan_models
 from lab.estimate_check import COMPUTE_TOL, KV_TOL, WEIGHTS_TOL, within
+from lab.llama_server import start, stop
 from lab.target import free_port
 from lab.tinymodels import write_model
 from tests.unit.planner.helpers import CPU_ONLY, profile
@@ -49,30 +48,8 @@ def _plan(models: dict[str, Path], draft: str, port: int):
                        headers=headers)
 
 
-def _run(server: Path, args: list[str], port: int, log: Path, timeout: float = 60.0) -> subprocess.Popen:
-    with open(log, "wb") as out:
-        process = subprocess.Popen([str(server), *args, "-lv", "4"], stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            return process
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    process.kill()
-    raise AssertionError(f"llama-server not healthy after {timeout:.0f}s:\n{log.read_text()[-3000:]}")
-
-
-def _stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+def _run(server: Path, args: list[str], port: int, log: Path):
+    return start(server, args, log, f"http://127.0.0.1:{port}", timeout=60.0)
 
 
 def test_the_planned_pair_loads_drafts_and_accepts_on_the_real_server(llama_server: Path, models, tmp_path: Path):
@@ -86,7 +63,6 @@ def test_the_planned_pair_loads_drafts_and_accepts_on_the_real_server(llama_serv
     log_path = tmp_path / "server.log"
     process = _run(llama_server, service.args, port, log_path)
     try:
-        assert process.poll() is None, log_path.read_text()[-3000:]
         reply = httpx.post(f"http://127.0.0.1:{port}/completion", timeout=120,
                            json={"prompt": "the quick brown fox jumps over", "n_predict": 48, "temperature": 0,
                                  "cache_prompt": False}).json()
@@ -100,7 +76,7 @@ def test_the_planned_pair_loads_drafts_and_accepts_on_the_real_server(llama_serv
                         if line.startswith("llamacpp:spec_decode_num_accepted_tokens_total"))
         assert drafted >= timings["draft_n"] and accepted >= timings["draft_n_accepted"]
     finally:
-        _stop(process)
+        stop(process)
     log = log_path.read_text(errors="replace")
     assert str(models["draft"]) in log  # the draft model was loaded from the planned path
     assert "draft acceptance" in log  # and the server counted its drafts
@@ -113,7 +89,7 @@ def test_estimate_with_the_draft_matches_both_models_buffers(llama_server: Path,
             "-t", "2", "--spec-type", "draft-simple", "--model-draft", str(models["draft"])]
     log_path = tmp_path / "server.log"
     process = _run(llama_server, args, port, log_path)
-    _stop(process)
+    stop(process)
     log = parse_log(log_path.read_text(errors="replace"))
     options = {"ctx": 2048, "parallel": 1, "kv_unified": False}
     target = estimate_model(str(models["target"]), **options)
@@ -147,6 +123,6 @@ def test_an_incompatible_pair_is_refused_by_the_planner_and_by_the_engine(llama_
         reply = httpx.post(f"http://127.0.0.1:{port}/completion", timeout=120,
                            json={"prompt": "the quick brown fox", "n_predict": 16, "temperature": 0}).json()
     finally:
-        _stop(process)
+        stop(process)
     assert "the target and draft vocabs are not compatible" in log_path.read_text(errors="replace")
     assert "draft_n" not in reply["timings"], reply["timings"]

@@ -14,9 +14,8 @@ import pytest
 import yaml
 
 from lab import standin_smi
-from lab.fileserver import FileServer
-from lab.target import free_port
 from tests.cli import run_controller
+from tests.integration.provisioned import provisioned_fleet
 
 pytestmark = [pytest.mark.podman, pytest.mark.engine, pytest.mark.slow]
 
@@ -31,21 +30,10 @@ SMI_QUERY = ("index, name, driver_version, temperature.gpu, memory.used [MiB], m
 
 @pytest.fixture(scope="module")
 def fleet_file(tmp_path_factory, lab_site, systemd_target):
-    root, catalog = lab_site
     folder = tmp_path_factory.mktemp("status")
-    with FileServer(root) as server:
-        box = {"address": systemd_target.host, "port": systemd_target.ssh_port, "user": "root",
-               "key": str(systemd_target.key), "models": [{"id": "tiny-llama", "ctx": 2048}],
-               "mirror": {"engines": f"{server.url}/engines", "models": server.url}}
-        fleet = {"catalogs": [str(catalog)], "boxes": {
-            "lab1": {**box, "base_port": free_port()},
-            # provisioned once, now down: nothing listens on its SSH port
-            "lab2": {**box, "port": free_port(), "base_port": free_port()},
-        }}
-        path = folder / "fleet.yml"
-        path.write_text(yaml.safe_dump(fleet))
-        done = controller("provision", "lab1", "--fleet", str(path), "--json")
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # lab2: provisioned once (its plan and host_vars copied from lab1's below), now down
+    with provisioned_fleet(folder, lab_site, systemd_target, {"models": [{"id": "tiny-llama", "ctx": 2048}]},
+                           timeout=600) as path:
         inventory = folder / "inventory"
         for kind, suffix in (("plans", "json"), ("host_vars", "yml")):  # lab2's plan, as its provision left it
             shutil.copy(inventory / kind / f"lab1.{suffix}", inventory / kind / f"lab2.{suffix}")

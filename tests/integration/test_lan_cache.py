@@ -27,37 +27,15 @@ from controller.reports.provision import cache_section
 from controller.stages.render import read_rendered
 from controller.stages.runner import run_playbook
 from lab.fileserver import FileServer
-from lab.site import MODEL_REPO, PACK_NAME
-from lab.target import free_port, started
+from lab.site import MODEL_REPO, PACK_NAME, mirror
+from lab.target import free_port, role_play, started
 
 pytestmark = [pytest.mark.podman, pytest.mark.engine, pytest.mark.slow]
 
 BOXES = ("c1", "c2", "c3")
-PLAY = """
-- name: Fetch through the fleet's LAN cache with the roles and order of playbooks/site.yml
-  hosts: all
-  gather_facts: false
-  pre_tasks:
-    - name: Gather the facts the roles read
-      ansible.builtin.setup:
-        gather_subset: ['!all', '!min', 'distribution', 'pkg_mgr']
-  roles:
-    - role: lan_cache
-    - role: llama_engine
-    - role: gguf_model
-"""
-
-CACHE_PLAY = """
-- name: Run the fleet's LAN cache
-  hosts: all
-  gather_facts: false
-  pre_tasks:
-    - name: Gather the facts the role reads
-      ansible.builtin.setup:
-        gather_subset: ['!all', '!min', 'distribution', 'pkg_mgr']
-  roles:
-    - role: lan_cache
-"""
+PLAY = role_play("Fetch through the fleet's LAN cache with the roles and order of playbooks/site.yml",
+                 ["lan_cache", "llama_engine", "gguf_model"])
+CACHE_PLAY = role_play("Run the fleet's LAN cache", ["lan_cache"])
 
 
 class _QueryAwareServer(FileServer):
@@ -86,10 +64,8 @@ def targets(target_image):
 def lab(tmp_path_factory, lab_site, site_server, targets):
     (root, _), (server, catalog) = lab_site, site_server
     folder = tmp_path_factory.mktemp("lan-cache")
-    cache = {"host": "c1", "address": "127.0.0.1", "bind": "127.0.0.1", "port": free_port(),
-             "models": server.url, "engines": f"{server.url}/engines"}
-    boxes = {name: {"address": target.host, "port": target.ssh_port, "user": "root", "key": str(target.key),
-                    "models": [{"id": "tiny-llama", "ctx": 2048}]}
+    cache = {"host": "c1", "address": "127.0.0.1", "bind": "127.0.0.1", "port": free_port(), **mirror(server.url)}
+    boxes = {name: {**target.fleet_entry(), "models": [{"id": "tiny-llama", "ctx": 2048}]}
              for name, target in targets.items()}
     (folder / "play.yml").write_text(PLAY)
     model = yaml.safe_load(catalog.read_text())["models"]["tiny-llama"]["file"]

@@ -28,7 +28,7 @@ PLAY = """- hosts: box
   gather_facts: false
   tasks:
     - name: Burn the box in
-      llama_burn_in:
+      v100box.llm.llama_burn_in:
         services:
           - {name: llama-flapping, port: 9, model: tiny}
           - {name: llama-steady, port: 9, model: tiny}

@@ -33,7 +33,7 @@ import yaml
 
 from lab import image as lab_image
 from lab import target as lab_target
-from lab.engine_build import cache_root
+from lab.host import debian_packages
 
 pytestmark = [pytest.mark.podman, pytest.mark.slow]
 
@@ -51,7 +51,7 @@ PLAYBOOK = """
   tasks:
     - name: Apply the role's firewall tasks
       ansible.builtin.include_role:
-        name: llama_service
+        name: v100box.llm.llama_service
         tasks_from: linux-firewall.yml
 """
 
@@ -65,17 +65,7 @@ def _podman(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 def _debs(group: str, names: tuple[str, ...]) -> list[Path]:
     """Debian 12 packages, downloaded once on the host into ~/.cache/v100-llm-box/debs/<group>."""
-    folder = cache_root() / "debs" / group
-    folder.mkdir(parents=True, exist_ok=True)
-    if len(list(folder.glob("*.deb"))) < len(names):
-        done = subprocess.run(["apt-get", "download", *names], cwd=folder, capture_output=True, text=True,
-                              check=False)
-        if done.returncode != 0:  # package lists older than the archive: refresh them once
-            subprocess.run(["apt-get", "update", "-qq"], capture_output=True, check=False, timeout=300)
-            done = subprocess.run(["apt-get", "download", *names], cwd=folder, capture_output=True, text=True,
-                                  check=False)
-        assert done.returncode == 0, f"apt-get download {' '.join(names)} failed: {done.stderr.strip()}"
-    return sorted(folder.glob("*.deb"))
+    return sorted(debian_packages(group, names).glob("*.deb"))
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +97,7 @@ def _converge(name: str, tmp_path: Path, *, check_mode: bool = False, **variable
     playbook.write_text(PLAYBOOK)
     extra = tmp_path / "vars.yml"
     extra.write_text(yaml.safe_dump(variables))
-    env = {**os.environ, "ANSIBLE_ROLES_PATH": str(ROOT / "ansible_collections/v100box/llm/roles"), "ANSIBLE_NOCOLOR": "1",
+    env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(ROOT), "ANSIBLE_NOCOLOR": "1",
            "ANSIBLE_HOST_KEY_CHECKING": "False"}
     done = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inventory), str(playbook),
                            "-e", f"@{extra}", *(["--check"] if check_mode else [])], env=env, capture_output=True, text=True, check=False, timeout=300)

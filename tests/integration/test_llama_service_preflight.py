@@ -19,7 +19,7 @@ PLAYBOOK = """
   tasks:
     - name: Run the preflight only
       ansible.builtin.include_role:
-        name: llama_service
+        name: v100box.llm.llama_service
         tasks_from: preflight.yml
 """
 KEY = "preflight-key-0123456789"
@@ -33,7 +33,7 @@ def instance(*args: str, **extra: object) -> dict[str, object]:
 def preflight(tmp_path: Path, **variables: object) -> subprocess.CompletedProcess[str]:
     (tmp_path / "play.yml").write_text(PLAYBOOK)
     (tmp_path / "vars.yml").write_text(yaml.safe_dump(variables))
-    env = {**os.environ, "ANSIBLE_ROLES_PATH": str(ROOT / "ansible_collections/v100box/llm/roles"), "ANSIBLE_NOCOLOR": "1",
+    env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(ROOT), "ANSIBLE_NOCOLOR": "1",
            "ANSIBLE_LOCALHOST_WARNING": "False", "ANSIBLE_INVENTORY_UNPARSED_WARNING": "False"}
     return subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), str(tmp_path / "play.yml"),
                            "-e", f"@{tmp_path / 'vars.yml'}", "-e", f"ansible_python_interpreter={sys.executable}"],

@@ -29,7 +29,7 @@ import httpx
 import pytest
 import yaml
 
-from controller.actions.clients import max_output_tokens
+from controller.model.clients import max_output_tokens
 from lab import haproxy
 from lab.claude_code import claude_binary, claude_env
 from lab.fileserver import FileServer
@@ -239,24 +239,6 @@ def test_only_the_documented_endpoints_reach_a_server(gateway):
     assert counted.status_code == 200 and counted.json()["input_tokens"] > 0, counted.text
 
 
-def _stalled(port: int, count: int, source: str, data: bytes) -> tuple[list[socket.socket], int]:
-    """``count`` connections from ``source`` that send ``data`` (part of a request), then nothing; and how many
-    of them the gateway closed before ``data`` was sent."""
-    opened = []
-    for _ in range(count):
-        sock = socket.socket()
-        try:
-            sock.bind((source, 0))
-            sock.settimeout(5)
-            sock.connect(("127.0.0.1", port))
-            sock.sendall(data)
-        except OSError:
-            sock.close()
-            continue
-        opened.append(sock)
-    return opened, count - len(opened)
-
-
 def _answers(sockets: list[socket.socket], wait: float) -> list[tuple[bytes, float | None]]:
     """Per connection, what the gateway sent and after how many seconds it closed it (None: still open)."""
     started = time.monotonic()
@@ -292,7 +274,7 @@ def test_keyless_clients_that_never_send_their_body_hold_nothing(gateway, fleet)
     # More than the gateway's connections, from another address than the keyed client's.
     assert DEFAULTS["llm_gateway_maxconn"] < 1100
     head = b"POST /v1/messages HTTP/1.1\r\nHost: gw\r\ncontent-type: application/json\r\ncontent-length: 4096\r\n\r\n"
-    slow, _closed_at_once = _stalled(fleet["gateway"]["port"], 1100, "127.0.0.2", head + b'{"messages": [')
+    slow = haproxy.stalled_clients(fleet["gateway"]["port"], 1100, "127.0.0.2", head + b'{"messages": [')
     try:
         response, elapsed = _keyed(gateway)
         assert response.status_code == 200 and elapsed < 3, (response.status_code, elapsed)
@@ -310,11 +292,12 @@ def test_one_address_holds_its_share_and_stalled_requests_time_out(gateway, flee
     share, limit_s = DEFAULTS["llm_gateway_maxconn_per_source"], DEFAULTS["llm_gateway_request_timeout_s"]
     port = fleet["gateway"]["port"]
     # Headers never finished, from one address: it gets its share of the connections, its next ones are closed.
-    slow, closed_at_once = _stalled(port, share + 100, "127.0.0.3", b"POST /v1/messages HTTP/1.1\r\nHost: gw\r\n")
+    slow = haproxy.stalled_clients(port, share + 100, "127.0.0.3", b"POST /v1/messages HTTP/1.1\r\nHost: gw\r\n")
+    closed_at_once = share + 100 - len(slow)
     # A keyed client whose body stalls before its model.
     head = (f"POST /v1/messages HTTP/1.1\r\nHost: gw\r\nx-api-key: {GATEWAY_KEY}\r\n"
             "content-type: application/json\r\ncontent-length: 4096\r\n\r\n").encode()
-    stalled, _ = _stalled(port, 1, "127.0.0.1", head + b'{"messages": [')
+    stalled = haproxy.stalled_clients(port, 1, "127.0.0.1", head + b'{"messages": [')
     try:
         response, elapsed = _keyed(gateway)  # another address: not counted with 127.0.0.3's
         assert response.status_code == 200 and elapsed < 3, (response.status_code, elapsed)

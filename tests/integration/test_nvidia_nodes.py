@@ -59,9 +59,9 @@ PLAY = """
   gather_facts: true
   gather_subset: ["!all"]
   roles:
-    - role: llama_engine
-    - role: gguf_model
-    - role: llama_service
+    - role: v100box.llm.llama_engine
+    - role: v100box.llm.gguf_model
+    - role: v100box.llm.llama_service
 """
 
 

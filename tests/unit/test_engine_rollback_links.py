@@ -30,10 +30,10 @@ def _links(slot: Path) -> dict[str, str]:
 
 def _switch(slot: str, version: str) -> list[dict]:
     return [
-        {"name": f"Read {slot}", "ansible.builtin.include_role": {"name": "llama_engine", "tasks_from": "slot.yml"},
+        {"name": f"Read {slot}", "ansible.builtin.include_role": {"name": "v100box.llm.llama_engine", "tasks_from": "slot.yml"},
          "vars": {"__llama_engine_slot_name": slot}},
         {"name": f"Switch {slot} to {version}",
-         "ansible.builtin.include_role": {"name": "llama_engine", "tasks_from": "switch.yml"},
+         "ansible.builtin.include_role": {"name": "v100box.llm.llama_engine", "tasks_from": "switch.yml"},
          "vars": {"__llama_engine_switch_slot": slot, "__llama_engine_switch_version": version}},
     ]
 
@@ -44,7 +44,7 @@ def _play(root: Path, tasks: list[dict]) -> list[dict]:
 
 
 def _rollback(slots: list[str]) -> dict:
-    return {"name": "Roll back", "ansible.builtin.include_role": {"name": "llama_engine", "tasks_from": "rollback.yml"},
+    return {"name": "Roll back", "ansible.builtin.include_role": {"name": "v100box.llm.llama_engine", "tasks_from": "rollback.yml"},
             "vars": {"llama_engine_rollback_slots": slots}}
 
 

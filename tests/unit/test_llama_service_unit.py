@@ -93,7 +93,7 @@ def units(tmp_path_factory) -> dict[str, Path]:
         "llama_service_template_dir": rules.TEMPLATE_DIR["linux"],
         "ansible_python_interpreter": sys.executable,
     }))
-    env = {**os.environ, "ANSIBLE_FILTER_PLUGINS": str(ROOT / "ansible_collections/v100box/llm/plugins/filter"), "ANSIBLE_NOCOLOR": "1"}
+    env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(ROOT), "ANSIBLE_NOCOLOR": "1"}
     done = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), str(playbook), "-e", f"@{extra}"],
                           env=env, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]

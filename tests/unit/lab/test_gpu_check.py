@@ -144,6 +144,18 @@ def test_the_rendered_unit_is_read_as_a_policy(gpu0_unit):
     assert "AF_INET" in gpu0_unit.address_families and "AF_NETLINK" not in gpu0_unit.address_families
 
 
+def test_an_empty_list_directive_resets_what_came_before_it():
+    policy = unit.parse_unit("[Service]\nSystemCallFilter=@system-service\nSystemCallFilter=\nSystemCallFilter=~ @mount\n"
+                             "DeviceAllow=/dev/nvidia0 rw\nDeviceAllow=\nDeviceAllow=/dev/nvidiactl\n"
+                             "RestrictAddressFamilies=AF_UNIX\nRestrictAddressFamilies=\n"
+                             "RestrictAddressFamilies=AF_INET AF_INET6\nRestrictAddressFamilies=AF_NETLINK\n")
+    assert policy.syscall_filter == ["~@mount"]
+    assert policy.device_allow == [("/dev/nvidiactl", "rwm")]
+    assert policy.address_families == ["AF_INET", "AF_INET6", "AF_NETLINK"]
+    assert unit.parse_unit("RestrictAddressFamilies=AF_UNIX\nRestrictAddressFamilies=~AF_PACKET\n").address_families \
+        == ["~", "AF_PACKET"]
+
+
 # ---- the trace ------------------------------------------------------------------------------------------------
 
 def _recorded_trace(recorded: Path) -> trace.TraceFacts:

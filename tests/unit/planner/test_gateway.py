@@ -4,10 +4,6 @@ Ansible's template engine and holds no key; secrets carry the keys."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import yaml
 
@@ -17,9 +13,9 @@ from controller.model.fleet import parse_fleet
 from controller.stages.planner import plan_box
 from controller.stages.planner.gateway import BUFFER_MIN, plan_gateway
 from controller.stages.render import host_vars, secrets_for
+from lab import localplay
 from tests.unit.tiny_box import CPU_PROFILE, tiny_catalog_file
 
-ROOT = Path(__file__).resolve().parents[3]
 SHA = "ab" * 32
 MIRROR = {"engines": "https://127.0.0.1:1/engines", "models": "http://127.0.0.1:1"}
 
@@ -131,21 +127,6 @@ def test_render_projects_the_routes_and_secrets_carry_the_keys(tmp_path, catalog
     assert "llm_gateway_routes" not in host_vars(fleet.box("far"), CPU_PROFILE, plans["far"])
 
 
-PLAYBOOK = """
-- hosts: localhost
-  connection: local
-  gather_facts: false
-  vars_files: [{role}/defaults/main.yml, {role}/vars/main.yml]
-  tasks:
-    - name: Render the configuration and the unit
-      ansible.builtin.template:
-        src: "{role}/templates/{{{{ item }}}}.j2"
-        dest: "{out}/{{{{ item }}}}"
-        mode: "0644"
-      loop: [haproxy.cfg, llm-gateway.service]
-"""
-
-
 def test_the_haproxy_configuration_names_models_and_boxes_in_its_errors_and_holds_no_key(tmp_path, catalog):
     fleet = _fleet(tmp_path, gw={"boxes": ["far"]})
     plans = _plans(fleet, catalog)
@@ -153,13 +134,10 @@ def test_the_haproxy_configuration_names_models_and_boxes_in_its_errors_and_hold
     plans["gw"].gateway = plan_gateway(fleet.box("gw"), plans["gw"], {"far": (fleet.box("far"), plans["far"])})
     variables = {key: value for key, value in host_vars(fleet.box("gw"), CPU_PROFILE, plans["gw"]).items()
                  if key.startswith("llm_gateway_")} | secrets_for(fleet.box("gw"), fleet)
-    (tmp_path / "vars.yml").write_text(yaml.safe_dump(variables))
-    (tmp_path / "play.yml").write_text(PLAYBOOK.format(role=ROOT / "ansible_collections/v100box/llm/roles" / "llm_gateway", out=tmp_path))
-    done = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,",
-                           str(tmp_path / "play.yml"), "-e", f"@{tmp_path / 'vars.yml'}",
-                           "-e", f"ansible_python_interpreter={sys.executable}"],
-                          capture_output=True, text=True, check=False, cwd=ROOT, timeout=120)
-    assert done.returncode == 0, done.stdout[-3000:]
+    templates = localplay.ROLES / "llm_gateway" / "templates"
+    localplay.run_play("llm_gateway", [localplay.template(templates / "{{ item }}.j2", tmp_path / "{{ item }}",
+                                                          loop=["haproxy.cfg", "llm-gateway.service"])],
+                       variables, tmp_path, timeout=120)
     config = (tmp_path / "haproxy.cfg").read_text()
     assert "bind 127.0.0.1:8000" in config and "tune.bufsize 1048576" in config
     assert "served models: tiny, tiny-b" in config
