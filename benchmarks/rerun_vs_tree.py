@@ -3,7 +3,9 @@
     git worktree add /tmp/before <commit>
     .venv/bin/python benchmarks/rerun_vs_tree.py --before /tmp/before [--runs 7]
 
-One systemd container and one download site serve both. This tree provisions the box fresh; then each tree
+One systemd container and one download site serve both. Both trees run under one plain virtual environment made
+for the benchmark: this venv's libraries without the project's editable install, whose import hook would hand an
+older checkout's Ansible plugins this tree's `controller` package. This tree provisions the box fresh; then each tree
 converges it once untimed (its own inventory folder, the same box), and the timed reruns alternate, this tree
 then the other, so a drift in the machine's speed moves both alike. Each run is the whole command
 (`python -m controller provision demo`) from its own checkout. Prints each run, the medians, and the median of
@@ -33,11 +35,29 @@ from lab.fileserver import FileServer  # noqa: E402
 from lab.site import build_site  # noqa: E402
 
 
-def provision(tree: Path, fleet: Path, inventory: Path) -> tuple[float, int]:
+def plain_venv(folder: Path) -> Path:
+    """A virtual environment that sees this one's libraries (a .pth line) but not the project installed in it, with
+    the Ansible commands started by its own interpreter; its python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True)
+    python = folder / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    libraries = subprocess.run([sys.executable, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                               check=True, capture_output=True, text=True).stdout.strip()
+    Path(site, "benchmark-libraries.pth").write_text(libraries + "\n")  # a path line: its own .pth files stay unread
+    for script in Path(sys.executable).parent.glob("ansible*"):
+        lines = script.read_text().splitlines(keepends=True)
+        wrapper = folder / "bin" / script.name
+        wrapper.write_text(f"#!{python}\n" + "".join(lines[1:]))
+        wrapper.chmod(0o755)
+    return python
+
+
+def provision(python: Path, tree: Path, fleet: Path, inventory: Path) -> tuple[float, int]:
     """One whole `controller provision demo` from ``tree``'s package; wall seconds and exit code."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}  # that checkout's controller package, this venv's libraries
+    env = {**os.environ, "PYTHONPATH": str(tree)}
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "controller", "provision", "demo", "--fleet", str(fleet),
+    done = subprocess.run([str(python), "-m", "controller", "provision", "demo", "--fleet", str(fleet),
                            "--inventory", str(inventory)], cwd=tree, env=env, capture_output=True, text=True, check=False)
     seconds = time.monotonic() - started
     if done.returncode != 0:
@@ -56,12 +76,13 @@ def main() -> None:
     image = lab_image.ensure_image()
     with tempfile.TemporaryDirectory(prefix="rerun-vs-tree-") as tmp:
         work = Path(tmp)
+        python = plain_venv(work / "venv")
         catalog = build_site(work / "site")
         with lab_target.Target.start(image=image) as box, FileServer(work / "site") as server:
             fleet = write_fleet(work, box, server, catalog)
             trees = {"this": (ROOT, work / "inv-this"), "before": (before, work / "inv-before")}
             for name, (tree, inventory) in trees.items():  # fresh, then converged once: untimed
-                seconds, code = provision(tree, fleet, inventory)
+                seconds, code = provision(python, tree, fleet, inventory)
                 print(f"untimed {name}: {seconds:.1f} s, exit {code}")
                 if code != 0:
                     sys.exit(1)
@@ -69,7 +90,7 @@ def main() -> None:
             codes = []
             for index in range(args.runs):
                 for name, (tree, inventory) in trees.items():
-                    seconds, code = provision(tree, fleet, inventory)
+                    seconds, code = provision(python, tree, fleet, inventory)
                     times[name].append(seconds)
                     codes.append(code)
                 print(f"run {index + 1}: this {times['this'][-1]:.2f} s, before {times['before'][-1]:.2f} s")

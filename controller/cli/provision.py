@@ -125,7 +125,8 @@ def render(box: str, fleet_path: Path, inventory: Path | None, as_json: bool) ->
     else:
         folder = Inventory(target)
         click.echo(f"Rendered {folder.hosts_file} and {folder.host_vars_file(box)}; run:\n"
-                   f"  ansible-playbook -i {folder.hosts_file} playbooks/site.yml --limit {box}")
+                   f"  ansible-playbook -i {folder.hosts_file} v100box.llm.site --limit {box}\n"
+                   "(from the clone, whose ansible.cfg finds the collection v100box.llm; elsewhere install it first)")
 
 
 @box_command

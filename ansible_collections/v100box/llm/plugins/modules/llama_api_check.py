@@ -95,7 +95,7 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
-# plugins/windows_modules/llama_api_check.ps1 (the Windows twin) returns the same fields; a test compares the lists.
+# plugins/modules/llama_api_check.ps1 (the Windows twin) returns the same fields; a test compares the lists.
 health:
   description: The C(status) field of C(/health); C(unreachable) when a request got no usable answer.
   type: str
