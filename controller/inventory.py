@@ -34,6 +34,7 @@ from typing import Any
 
 import yaml
 
+from controller import COLLECTION
 from controller.errors import NotRendered, SetupError
 from controller.files import to_stderr, write_atomic
 from controller.model.profile import HardwareProfile
@@ -41,8 +42,7 @@ from controller.model.serveplan import ServePlan
 
 DEFAULT_FOLDER = "inventory"  # beside the fleet file, when a command is given no --inventory
 # The llama_engine role's own variables: where it puts the engines when the box's vars do not say otherwise.
-ENGINE_ROLE_VARS = (Path(__file__).resolve().parents[1] / "ansible_collections" / "v100box" / "llm" / "roles"
-                    / "llama_engine" / "vars" / "main.yml")
+ENGINE_ROLE_VARS = COLLECTION / "roles" / "llama_engine" / "vars" / "main.yml"
 CERTIFY_KINDS = {"markdown": "md", "json": "json", "html": "html", "pdf": "pdf"}
 
 Notice = Callable[[str], None]

@@ -68,6 +68,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from controller import COLLECTION
 from controller.errors import LockError
 from controller.files import write_atomic
 from controller.model.fleet import Box, Fleet
@@ -78,8 +79,7 @@ from controller.model.serveplan import ServePlan
 LOCK_VERSION = 1
 # The chat templates llama_service installs, in the collection beside the package (a clone's, or the one a wheel put
 # in site-packages).
-TEMPLATE_FILES = (Path(__file__).resolve().parents[2] / "ansible_collections" / "v100box" / "llm" / "roles"
-                  / "llama_service" / "files" / "chat-templates")
+TEMPLATE_FILES = COLLECTION / "roles" / "llama_service" / "files" / "chat-templates"
 # The fields of a fleet box that change what is installed on it; the others say how to reach it, or (mirror) where
 # the bytes come from, which the checksums pin.
 DEFINITION_FIELDS = ("os", "models", "agents", "model_dir", "bind", "allow_from", "base_port", "driver",

@@ -38,13 +38,14 @@ from typing import Any
 
 import yaml
 
+from controller import COLLECTION
 from controller.errors import RunError, TransportError
 from controller.inventory import Inventory
 from controller.stages.transports.known_hosts import forget_command
 
 # The folder holding controller/ and ansible_collections/: a clone's root, or site-packages where a wheel put both.
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-PLAYBOOKS = PROJECT_ROOT / "ansible_collections/v100box/llm/playbooks"
+PROJECT_ROOT = COLLECTION.parents[2]
+PLAYBOOKS = COLLECTION / "playbooks"
 GUARD = Path(__file__).resolve().parent / "playbook_guard.py"
 # Every run's Ansible settings, shipped in the package: a run reads no ansible.cfg of a clone, the user or the system.
 RUN_CONFIG = Path(__file__).resolve().parents[1] / "data" / "ansible.cfg"
