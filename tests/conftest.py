@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 from pathlib import Path
 
@@ -12,6 +13,17 @@ pytest_plugins = ["tests.plugins.target"]
 
 SHARED_FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "real"
 IN_CI = os.environ.get("CI") == "true"
+# The gateway's tests hold more client connections than the gateway's maxconn (over a thousand sockets in this
+# process), beside what the suite keeps open: a soft limit of 1024 descriptors, as a service or a container may start
+# with, is too few. The soft limit may be raised up to the hard one.
+NEEDED_DESCRIPTORS = 4096
+
+
+def pytest_configure(config):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = NEEDED_DESCRIPTORS if hard == resource.RLIM_INFINITY else min(hard, NEEDED_DESCRIPTORS)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
 @pytest.fixture(scope="session")

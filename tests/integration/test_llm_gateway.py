@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import selectors
 import shutil
 import socket
@@ -273,6 +274,9 @@ def _keyed(gateway: str) -> tuple[httpx.Response, float]:
 def test_keyless_clients_that_never_send_their_body_hold_nothing(gateway, fleet):
     # More than the gateway's connections, from another address than the keyed client's.
     assert DEFAULTS["llm_gateway_maxconn"] < 1100
+    descriptors = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    assert descriptors == resource.RLIM_INFINITY or descriptors >= 1100 + 256, (
+        f"this process may open {descriptors} files; the test holds 1100 connections (raise `ulimit -n`)")
     head = b"POST /v1/messages HTTP/1.1\r\nHost: gw\r\ncontent-type: application/json\r\ncontent-length: 4096\r\n\r\n"
     slow = haproxy.stalled_clients(fleet["gateway"]["port"], 1100, "127.0.0.2", head + b'{"messages": [')
     try:
