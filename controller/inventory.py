@@ -135,6 +135,28 @@ class Inventory:
         return self.root / "host_vars" / f"{name}.yml"
 
     @property
+    def task_counts_file(self) -> Path:
+        """How many task results the last full run of each playbook had per box (the progress bar's total)."""
+        return self.root / ".task-counts.json"
+
+    def expected_tasks(self, playbook: str, boxes: int) -> int | None:
+        try:
+            per_box = json.loads(self.task_counts_file.read_text()).get(playbook)
+        except (OSError, ValueError, AttributeError):
+            return None
+        return int(per_box * boxes) if isinstance(per_box, (int, float)) and per_box > 0 else None
+
+    def record_tasks(self, playbook: str, boxes: int, results: int) -> None:
+        try:
+            counts = json.loads(self.task_counts_file.read_text())
+        except (OSError, ValueError):
+            counts = {}
+        if not isinstance(counts, dict):
+            counts = {}
+        counts[playbook] = round(results / max(boxes, 1), 1)
+        write_atomic(self.task_counts_file, json.dumps(counts, sort_keys=True) + "\n")
+
+    @property
     def probes_folder(self) -> Path:
         return self.root / "probes"
 

@@ -54,9 +54,12 @@ def _quiet(box: str, stage: str, detail: str) -> None:
     """No display: a caller from Python that wants no progress."""
 
 
+FULL_RUN_VAR = "v100box_full_run"  # playbooks/site.yml: skip the converged fast path
+
+
 def provision(fleet: Fleet, names: Sequence[str], inventory: Path, *, fleet_path: Path | None = None,
               locked: bool = False, raise_failures: bool = False, on_event: EventHandler | None = None,
-              on_stage: StageHandler | None = None) -> FleetRun:
+              on_stage: StageHandler | None = None, full: bool = False) -> FleetRun:
     """Provision the boxes ``names`` and return a line per box (``FleetRun``).
 
     ``fleet_path``: the fleet file whose lock (``<fleet>.lock.yml`` beside it) is guarded before and recorded
@@ -69,6 +72,8 @@ def provision(fleet: Fleet, names: Sequence[str], inventory: Path, *, fleet_path
     pack) is refused before any connection either way. On Ctrl-C each rendered box's report says where the run
     stopped, and RunInterrupted is raised. ``on_event`` gets each event of the run, ``on_stage`` each box's
     probe, plan and render news (``(box, stage, detail)``): the display is the caller's.
+    ``full``: every role runs on every box, even one whose record of its last full run still matches it (the
+    converged fast path of playbooks/site.yml, plugins/modules/box_manifest.py).
     """
     started = time.monotonic()
     names = list(names)
@@ -139,7 +144,8 @@ def provision(fleet: Fleet, names: Sequence[str], inventory: Path, *, fleet_path
 
             try:
                 run = run_playbook("site.yml", inventory=inventory, limit=",".join(ready), host_secrets=secrets,
-                                   forks=forks, on_event=handle, raise_on_failure=raise_failures)
+                                   forks=forks, on_event=handle, raise_on_failure=raise_failures,
+                                   extravars={FULL_RUN_VAR: True} if full else None)
             except RunInterrupted as stopped:
                 for name in ready:
                     reports[name] = finish(planned[name], stopped.result, seconds(stopped.result, name), inventory,

@@ -37,31 +37,97 @@ def task_status(event: dict[str, Any]) -> str | None:
 
 
 class Progress:
-    """Event handler for ``run_playbook``: human lines on a console, or JSON lines with ``as_json``."""
+    """Event handler for ``run_playbook``: human lines on a console, or JSON lines with ``as_json``.
 
-    def __init__(self, *, as_json: bool = False, stream: TextIO | None = None):
+    Compact by default: a line for each task that changed something or failed, a line per role (or the play's own
+    tasks) with its counts when it ends, and on a terminal a bar of tasks done of those expected (the previous
+    run's count of the same playbook, ``expected``) with the time elapsed (rich's progress display). ``verbose``:
+    a line per task result, as the run's artifacts also keep them. JSON lines are one per task either way.
+    """
+
+    def __init__(self, *, as_json: bool = False, stream: TextIO | None = None, verbose: bool = False,
+                 expected: int | None = None):
         self.as_json = as_json
+        self.verbose = verbose
         self.stream = stream or sys.stdout
         self.console = Console(file=self.stream, highlight=False, soft_wrap=True)
         self.started = time.monotonic()
+        self.done = 0  # task results seen
+        self.converged = False  # a box of the run took playbooks/site.yml's converged fast path
+        self.section: str | None = None
+        self.counts: dict[str, int] = {}
+        self.section_started = self.started
+        self.bar: Any = None
+        self.bar_task: Any = None
+        if not as_json and not verbose and self.console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as Bar
+
+            self.bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                           console=self.console, transient=True)
+            self.bar_task = self.bar.add_task("tasks", total=expected)
+            self.bar.start()
 
     def __call__(self, event: dict[str, Any]) -> None:
+        if event.get("event") == "playbook_on_stats":
+            self.close()
+            return
         status = task_status(event)
         if status is None:
             return
         data = event.get("event_data", {})
         host, task = data.get("host", "?"), data.get("task", "?")
         elapsed = time.monotonic() - self.started
+        self.done += 1
+        said = _converged_line(data)
+        self.converged |= bool((data.get("res") or {}).get("converged")) and said is not None
         if self.as_json:
             self.stream.write(json.dumps({"type": "task", "host": host, "task": task, "status": status,
                                           "elapsed": round(elapsed, 2)}) + "\n")
+            if said:  # the converged fast path's decision for this box
+                res = data.get("res") or {}
+                self.stream.write(json.dumps({"type": "fast_path", "host": host, "converged": bool(res["converged"]),
+                                              "reasons": list(res.get("reasons") or []),
+                                              "entries": res.get("entries", 0)}) + "\n")
             self.stream.flush()
             return
+        section = data.get("role") or "play"
+        if section != self.section:
+            self._end_section()
+            self.section, self.counts, self.section_started = section, {}, time.monotonic()
+        self.counts[status] = self.counts.get(status, 0) + 1
+        if self.bar is not None:
+            self.bar.update(self.bar_task, completed=self.done, description=escape(section))
+        if self.verbose or status not in ("ok", "skipped"):
+            self._line(elapsed, host, status, str(task))
+        if said:
+            self.console.print(f"{elapsed:7.1f}s  " + escape(f"{host}: {said}"))
+
+    def _line(self, elapsed: float, host: str, status: str, task: str) -> None:
         # Host and task names are text from playbooks and inventories: never rich markup.
         self.console.print(f"{elapsed:7.1f}s  {escape(f'{host:<12}')} [{_STYLE[status]}]{status:<11}[/] "
-                           f"{escape(str(task))}", markup=True)
+                           f"{escape(task)}", markup=True)
+
+    def _end_section(self) -> None:
+        if self.section is None or not self.counts:
+            return
+        counts = " ".join(f"{status}={self.counts[status]}" for status in _STYLE if status in self.counts)
+        elapsed = time.monotonic() - self.started
+        self.console.print(f"{elapsed:7.1f}s  " + escape(f"{self.section:<24} {counts}")
+                           + f" [dim]({time.monotonic() - self.section_started:.1f}s)[/]", markup=True)
+        self.section, self.counts = None, {}
+
+    def close(self) -> None:
+        """The last section's line; the bar goes away."""
+        if self.as_json:
+            return
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+        self._end_section()
 
     def summary(self, result: RunResult) -> None:
+        self.close()
         if self.as_json:
             self.stream.write(json.dumps({"type": "summary", **summary_dict(result)}) + "\n")
             self.stream.flush()
@@ -71,6 +137,19 @@ class Progress:
                 escape(f"{result.playbook}: {host}:") + f" ok={stats.ok} changed={stats.changed} failed={stats.failures} "
                 f"unreachable={stats.unreachable} skipped={stats.skipped} in {result.elapsed:.1f}s"
             )
+
+
+def _converged_line(data: dict[str, Any]) -> str | None:
+    """What playbooks/site.yml's comparison with the box's record decided, in words (None for other tasks)."""
+    res = data.get("res") or {}
+    if "converged" not in res or "reasons" not in res or data.get("task_action", "").rsplit(".", 1)[-1] not in (
+            "box_manifest", ""):
+        return None
+    if res.get("converged"):
+        return (f"converged: matches the record of its last full run ({res.get('entries', 0)} things); "
+                "only the servers are checked")
+    reasons = res.get("reasons") or []
+    return f"full run: {'; '.join(reasons)}" if reasons else None
 
 
 def summary_dict(result: RunResult) -> dict[str, Any]:

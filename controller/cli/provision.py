@@ -25,8 +25,14 @@ if TYPE_CHECKING:
 @json_option
 @click.option("--locked", is_flag=True,
               help="Install exactly what the fleet's lock says; refuse, before touching any box, whatever differs.")
+@click.option("--full", is_flag=True,
+              help="Run every role on every box, even on a box that still matches the record of its last full run "
+                   "(a converged box otherwise ends after one comparison and the servers' checks).")
+@click.option("-v", "--verbose", is_flag=True,
+              help="A line for every task result (the run's artifacts keep them too); by default a line per role "
+                   "with its counts, and one for each task that changed something or failed.")
 def provision(boxes: tuple[str, ...], everything: bool, fleet_path: Path, inventory: Path | None,
-              as_json: bool, locked: bool) -> None:
+              as_json: bool, locked: bool, full: bool, verbose: bool) -> None:
     """Probe, plan, render and run playbooks/site.yml on one box, several, a group of the fleet, or --all.
 
     Several boxes are probed and planned at once and provisioned by one Ansible run; one that fails does
@@ -41,23 +47,30 @@ def provision(boxes: tuple[str, ...], everything: bool, fleet_path: Path, invent
         provision_workstation(fleet, boxes[0], target, as_json)
         return
     if everything or len(boxes) != 1 or (boxes[0] in fleet.groups and boxes[0] not in fleet.boxes):
-        provision_fleet(fleet, fleet.select(boxes, everything), target, as_json, fleet_path, locked=locked)
+        provision_fleet(fleet, fleet.select(boxes, everything), target, as_json, fleet_path, locked=locked, full=full)
         return
-    provision_box(fleet, boxes[0], target, as_json, fleet_path, locked=locked)
+    provision_box(fleet, boxes[0], target, as_json, fleet_path, locked=locked, full=full, verbose=verbose)
 
 
 def provision_box(fleet: Fleet, box: str, inventory: Path, as_json: bool, fleet_path: Path,
-                  locked: bool = False) -> None:
-    """One box: a line per task, the run's summary, then its report; its own error and exit code when it fails."""
+                  locked: bool = False, full: bool = False, verbose: bool = False) -> None:
+    """One box: its progress, the run's summary, then its report; its own error and exit code when it fails."""
     from controller.actions.provision import provision as run_provision
     from controller.cli.progress import Progress
+    from controller.inventory import Inventory
     from controller.reports.provision import markdown, not_as_asked
 
-    progress = Progress(as_json=as_json)
-    done = run_provision(fleet, [box], inventory, fleet_path=fleet_path, locked=locked, raise_failures=True,
-                         on_event=progress)
+    folder = Inventory(inventory)
+    progress = Progress(as_json=as_json, verbose=verbose, expected=folder.expected_tasks("site.yml", 1))
+    try:
+        done = run_provision(fleet, [box], inventory, fleet_path=fleet_path, locked=locked, raise_failures=True,
+                             on_event=progress, full=full)
+    finally:
+        progress.close()
     if done.run is not None:
         progress.summary(done.run)
+        if not progress.converged:
+            folder.record_tasks("site.yml", 1, progress.done)
     lock_note(done, as_json)
     report = done.reports[box]
     click.echo(json.dumps({"type": "report", **report}) if as_json else markdown(report))
@@ -70,7 +83,7 @@ def provision_box(fleet: Fleet, box: str, inventory: Path, as_json: bool, fleet_
 
 
 def provision_fleet(fleet: Fleet, names: list[str], inventory: Path, as_json: bool, fleet_path: Path | None,
-                    locked: bool = False) -> None:
+                    locked: bool = False, full: bool = False) -> None:
     """Provision several boxes at once: live lines per box, then the summary table; exit 8 when any failed."""
     from controller.actions.fleetrun import failure_message
     from controller.actions.provision import provision as run_provision
@@ -78,7 +91,7 @@ def provision_fleet(fleet: Fleet, names: list[str], inventory: Path, as_json: bo
 
     with FleetProgress(names, as_json=as_json) as progress:
         done = run_provision(fleet, names, inventory, fleet_path=fleet_path, locked=locked, on_event=progress,
-                             on_stage=progress.stage)
+                             on_stage=progress.stage, full=full)
     progress.summary(done)
     lock_note(done, as_json)
     if done.failed:

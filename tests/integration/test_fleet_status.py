@@ -105,8 +105,44 @@ def test_hand_edits_are_drift_with_their_fix_and_status_changes_nothing(fleet_fi
     systemd_target.exec(f"rm -f {standin_smi.STANDIN_PATH}")  # a CPU box again, as it was provisioned
     done = controller("provision", "lab1", "--fleet", str(fleet_file), "--json")  # the fix it names
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # The box's record of its last full run named the differences, so every role ran (no converged fast path).
+    (decision,) = _events(done.stdout, "fast_path")
+    assert decision["converged"] is False and any(UNIT in reason for reason in decision["reasons"]), decision
     answer, code, err = status(fleet_file, "lab1")
     assert code == 0 and answer["boxes"][0]["drift"] == [], (answer, err)
+
+
+def _events(stdout: str, kind: str) -> list[dict]:
+    return [event for event in map(json.loads, stdout.splitlines()) if event.get("type") == kind]
+
+
+def test_a_converged_box_ends_after_one_comparison_and_full_runs_every_role(fleet_file, systemd_target):
+    done = controller("provision", "lab1", "--fleet", str(fleet_file), "--json")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (decision,) = _events(done.stdout, "fast_path")
+    assert decision["converged"] is True and decision["entries"] > 10, decision
+    tasks = _events(done.stdout, "task")
+    assert not [task for task in tasks if task["status"] in ("changed", "failed")], tasks
+    assert len(tasks) < 20 and "Check health, model id, both chat APIs and the key of llama-tiny-llama" in {
+        task["task"] for task in tasks}  # the servers are checked again; the roles did not run
+    (report,) = _events(done.stdout, "report")
+    assert report["verified"] is True
+
+    # A drift no status check names: a file a role manages, its mode changed by hand.
+    systemd_target.exec("chmod 0644 /etc/llama/llama-tiny-llama.env")
+    done = controller("provision", "lab1", "--fleet", str(fleet_file), "--json")
+    (decision,) = _events(done.stdout, "fast_path")
+    assert decision["converged"] is False and decision["reasons"] == [
+        "/etc/llama/llama-tiny-llama.env: mode changed"], decision
+    assert systemd_target.exec("stat -c %a /etc/llama/llama-tiny-llama.env").strip() == "600"
+
+    full = controller("provision", "lab1", "--fleet", str(fleet_file), "--json", "--full")
+    assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
+    (decision,) = _events(full.stdout, "fast_path")
+    assert decision == {"type": "fast_path", "host": "lab1", "converged": False,
+                        "reasons": ["a full run was asked for"], "entries": 0}
+    tasks = _events(full.stdout, "task")
+    assert len(tasks) > 100 and not [task for task in tasks if task["status"] in ("changed", "failed")]
 
 
 def test_bad_input_is_one_line(fleet_file):
