@@ -233,6 +233,13 @@ class FleetProgress:
         status = task_status(event)
         if status is None or host is None:
             return
+        said = _converged_line(data)
+        if said:  # the converged fast path's decision for this box
+            res = data.get("res") or {}
+            elapsed = time.monotonic() - self.started
+            self._emit({"type": "fast_path", "host": host, "converged": bool(res["converged"]),
+                        "reasons": list(res.get("reasons") or []), "entries": res.get("entries", 0)},
+                       f"{elapsed:7.1f}s  " + escape(f"{host}: {said}"))
         row = self.rows.setdefault(host, {"task": "", "ok": 0, "changed": 0, "failed": 0})
         task = data.get("task", "?")
         row["task"] = task

@@ -111,6 +111,11 @@ def test_the_module_runs_as_ansible_runs_it_and_says_converged(tmp_path):
                               capture_output=True, text=True, env=module_env(), check=False)
         answer = json.loads(done.stdout)
     assert answer["converged"] is True and answer["changed"] is False and answer["entries"] == 7, answer
+    os.chmod(tmp_path / "box/etc/unit.env", 0o644)  # drift: the full run starts, and the record is gone until it ends
+    done = subprocess.run([sys.executable, str(PLUGINS / "box_manifest.py"), str(tmp_path / "args.json")],
+                          capture_output=True, text=True, env=module_env(), check=False)
+    assert json.loads(done.stdout)["reasons"] == [f"{tmp_path}/box/etc/unit.env: mode changed"]
+    assert not (tmp_path / "r.json").exists()
 
 
 def test_the_callback_notes_files_units_packages_accounts_and_hidden_results():
@@ -152,7 +157,8 @@ def test_the_digest_follows_the_inputs_not_the_bookkeeping():
     assert action.inputs_digest({**base, "playbook_dir": "/y", "ansible_check_mode": True, "groups": {"all": []},
                                  action.DIGEST_FACT: "old", "v100box_full_run": True,
                                  "ansible_facts": {**base["ansible_facts"], "getent_passwd": {"root": []}},
-                                 "getent_passwd": {"root": []}}) == digest  # a fact a task set: not an input
+                                 "getent_passwd": {"root": []}, "ansible_limit": "b", "ansible_current_hosts": ["b"],
+                                 "ansible_play_hosts_all": ["b"]}) == digest  # facts and the run's own: not inputs
     for changed in ({"llama_service_instances": [{"name": "a", "port": 8081}]}, {"ansible_host": "10.0.0.6"},
                     {"ansible_facts": {"distribution": "Ubuntu", "os_family": "Debian"}},
                     {"llama_service_api_key": "sk-new"}):

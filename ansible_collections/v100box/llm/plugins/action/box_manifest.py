@@ -35,7 +35,10 @@ _SKIP = {"hostvars", "groups", "group_names", "inventory_hostname", "inventory_h
          "ansible_skip_tags", "ansible_verbosity", "ansible_search_path", "ansible_collection_name",
          "ansible_loop_var", "ansible_index_var", "ansible_parent_role_names", "ansible_parent_role_paths",
          "ansible_role_name", "role_name", "role_path", "role_uuid", "ansible_local", "discovered_interpreter_python",
-         "module_setup", "gather_subset", "v100box_full_run", DIGEST_FACT, "v100box_converged_max_age_s"}
+         "module_setup", "gather_subset", "ansible_limit", "ansible_current_hosts", "ansible_failed_hosts",
+         "ansible_delegated_vars", "ansible_loop", "v100box_full_run", DIGEST_FACT, "v100box_converged_max_age_s"}
+
+_SKIP_PREFIXES = ("__", "ansible_facts", "ansible_net_", "ansible_play_", "ansible_role_", "ansible_parent_role_")
 
 
 @cache
@@ -72,7 +75,7 @@ def input_hashes(task_vars: dict) -> dict[str, str]:
         "(ansible-core)": ANSIBLE_VERSION,
         **{f"(fact {name})": _plain(facts.get(name)) for name in _FACTS},
         **{name: _plain(value) for name, value in task_vars.items()
-           if name not in _SKIP and name not in facts and not name.startswith(("__", "ansible_facts", "ansible_net_"))
+           if name not in _SKIP and name not in facts and not name.startswith(_SKIP_PREFIXES)
            and not (name.startswith("ansible_") and name[len("ansible_"):] in facts)},  # facts are read, not inputs
     }
     return {name: hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]

@@ -11,7 +11,8 @@ description:
     C(v100box.llm.manifest) callback noted what that is) and the digest of the run's inputs.
   - The next run's first task, C(state=check), compares the box with that record in one call; the play ends the
     host when nothing differs and every server answers C(/health), after C(v100box.llm.llama_verify) checked the
-    servers again. Any difference, a missing or old record, other inputs, or C(v100box_full_run) means the full run.
+    servers again. Any difference, a missing or old record, other inputs, or C(v100box_full_run) means the full run,
+    and the record is removed first: a full run that fails leaves none, so the run after it is a full one too.
   - Files with content (templates, copies, downloads, account files) by SHA-256 (size, mtime and inode above
     64 MiB), mode and owner; directories and attribute-only files by mode and owner; links by target; unpacked
     trees by every member's path, size, mode and mtime; model files by size, mtime, inode and owner beside their
@@ -338,10 +339,14 @@ def main():
         supports_check_mode=True,
     )
     params = module.params
-    if params["state"] == "check" and params["full"]:
-        module.exit_json(changed=False, converged=False, reasons=["a full run was asked for"], entries=0)
     if params["state"] == "check":
-        converged, reasons, entries = check(module, params)
+        if params["full"]:
+            converged, reasons, entries = False, ["a full run was asked for"], 0
+        else:
+            converged, reasons, entries = check(module, params)
+        if not converged and not module.check_mode and os.path.exists(params["path"]):
+            # A full run follows; until it ends without failures, no record vouches for this box.
+            os.unlink(params["path"])
         module.exit_json(changed=False, converged=converged, reasons=reasons, entries=entries)
     if module.check_mode:
         module.exit_json(changed=False, converged=False, reasons=[], entries=0)

@@ -1,0 +1,112 @@
+"""The fast loop's targets, as ratios measured in one run: a converged `controller provision BOX` against
+`controller status BOX` on the same box (target: at most 1.5x), and six converged boxes against one (at most
+1.5x); with `--full`, the full (every role) converged rerun beside them, what the fast path saves.
+
+    flock /tmp/v100-heavy.lock .venv/bin/python benchmarks/converged_bench.py [--boxes 6] [--runs 5] [--full]
+
+Starts that many systemd containers of its own (other names and ports than any `controller demo` box), provisions
+them at once (fresh, `provision --all`, timed once) and converges them once untimed (each box's record of its
+last full run is then in place). Then each round runs, as a user does (a new process each: Python start, probe,
+plan, render, one ansible-playbook run, the report), in this order: status of box 1, provision of box 1, status
+of every box, provision of every box (and with `--full` provision --full of box 1); alternating them lets a drift
+in the machine's speed move all alike. Every timed run must exit 0 and every provision must take the fast path
+(its `fast_path` event says converged). Prints each round, the medians and the medians of the per-round ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lab import image as lab_image  # noqa: E402
+from lab import target as lab_target  # noqa: E402
+from lab.demo import write_fleet  # noqa: E402
+from lab.fileserver import FileServer  # noqa: E402
+from lab.site import build_site  # noqa: E402
+from lab.target import free_port  # noqa: E402
+
+
+def controller(*args: str, timeout: float = 1800) -> tuple[float, subprocess.CompletedProcess]:
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "controller", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+    return time.monotonic() - started, done
+
+
+def timed(label: str, *args: str, converged: int | None = None) -> float:
+    took, done = controller(*args)
+    if done.returncode != 0:
+        raise SystemExit(f"{label}: exit {done.returncode}\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    if converged is not None:
+        events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        fast = [event for event in events if event.get("type") == "fast_path" and event["converged"]]
+        if len(fast) != converged:
+            raise SystemExit(f"{label}: {len(fast)} of {converged} boxes took the fast path: "
+                             f"{[event for event in events if event.get('type') == 'fast_path']}")
+    return took
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--boxes", type=int, default=6)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--full", action="store_true", help="also time provision --full of box 1 each round")
+    args = parser.parse_args()
+    image = lab_image.ensure_image()
+    with tempfile.TemporaryDirectory(prefix="converged-bench-") as work_dir, ExitStack() as stack:
+        work = Path(work_dir)
+        catalog = build_site(work / "site")
+        targets = [stack.enter_context(lab_target.Target.start(image=image)) for _ in range(args.boxes)]
+        server = stack.enter_context(FileServer(work / "site"))
+        fleet_path = write_fleet(work, targets, server, catalog)
+        fleet = yaml.safe_load(fleet_path.read_text())
+        for box in fleet["boxes"].values():  # away from the ports of any `controller demo` boxes
+            box["base_port"] = free_port()
+        fleet_path.write_text(yaml.safe_dump(fleet, sort_keys=False))
+        names = list(fleet["boxes"])
+        fleet_arg = ("--fleet", str(fleet_path), "--json")
+        took = timed("fresh provision --all", "provision", "--all", *fleet_arg)
+        print(f"setup: fresh provision --all of {args.boxes} boxes: {took:.1f} s")
+        timed("first converge", "provision", "--all", *fleet_arg)  # the records of a full run are in place
+        columns = ["status 1", "provision 1", f"status {args.boxes}", f"provision {args.boxes}"]
+        if args.full:
+            columns.append("provision --full 1")
+        print("round  " + "  ".join(f"{column:>18}" for column in columns))
+        rows = []
+        for round_number in range(1, args.runs + 1):
+            row = [timed("status 1", "status", names[0], *fleet_arg),
+                   timed("provision 1", "provision", names[0], *fleet_arg, converged=1),
+                   timed("status all", "status", *names, *fleet_arg),
+                   timed("provision all", "provision", "--all", *fleet_arg, converged=len(names))]
+            if args.full:
+                row.append(timed("provision --full 1", "provision", names[0], "--full", *fleet_arg, converged=0))
+            rows.append(row)
+            print(f"{round_number:>5}  " + "  ".join(f"{value:>17.2f}s" for value in row))
+        medians = [statistics.median(column) for column in zip(*rows)]
+        print("median " + "  ".join(f"{value:>17.2f}s" for value in medians))
+        ratios = {
+            "converged provision 1 / status 1 (target <= 1.5)": [r[1] / r[0] for r in rows],
+            f"converged provision {args.boxes} / provision 1 (target <= 1.5)": [r[3] / r[1] for r in rows],
+            f"converged provision {args.boxes} / status {args.boxes}": [r[3] / r[2] for r in rows],
+        }
+        if args.full:
+            ratios["provision --full 1 / converged provision 1"] = [r[4] / r[1] for r in rows]
+        for label, values in ratios.items():
+            print(f"{label}: median {statistics.median(values):.2f} (min {min(values):.2f}, max {max(values):.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
