@@ -12,7 +12,7 @@ description:
   - The next run's first task, C(state=check), compares the box with that record in one call; the play ends the
     host when nothing differs and every server answers C(/health), after C(v100box.llm.llama_verify) checked the
     servers again. Any difference, a missing or old record, other inputs, or C(v100box_full_run) means the full run,
-    and the record is removed first: a full run that fails leaves none, so the run after it is a full one too.
+    and the record is removed first (a full run that fails leaves none, so the run after it is a full one too).
   - Files with content (templates, copies, downloads, account files) by SHA-256 (size, mtime and inode above
     64 MiB), mode and owner; directories and attribute-only files by mode and owner; links by target; unpacked
     trees by every member's path, size, mode and mtime; model files by size, mtime, inode and owner beside their
