@@ -12,10 +12,6 @@ Without this callback the record task records nothing (and removes an older reco
 
 from __future__ import annotations
 
-from typing import Any
-
-from ansible.plugins.callback import CallbackBase
-
 DOCUMENTATION = r"""
 ---
 name: manifest
@@ -29,6 +25,10 @@ requirements:
   - enabled in C(callbacks_enabled) (the project's ansible.cfg enables it)
 author: v100box maintainers (!UNKNOWN)
 """
+
+from typing import Any
+
+from ansible.plugins.callback import CallbackBase
 
 # What the record task reads: host -> kind -> {name: detail}. Kinds: files (path -> "content" | "attributes" |
 # "directory" | "link" | "absent" | "tree"), units, packages, accounts (user or group names), firewall (tool

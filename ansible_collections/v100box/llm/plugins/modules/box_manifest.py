@@ -90,9 +90,9 @@ import stat
 import tempfile
 import time
 import urllib.error
-import urllib.request
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.urls import open_url
 
 VERSION = 1
 BIG = 64 * 1024 * 1024  # files larger than this are recorded by size, mtime and inode, not hashed
@@ -106,9 +106,20 @@ def _sha256(path):
     return digest.hexdigest()
 
 
+def _home_path(path):
+    """``~account/relative/path`` (a file account_files wrote in an account's home) as an absolute path; an
+    account that no longer exists leaves the path as it is (so the file reads as absent)."""
+    if not path.startswith("~"):
+        return path
+    account, _sep, rest = path[1:].partition("/")
+    try:
+        return os.path.join(pwd.getpwnam(account).pw_dir, rest)
+    except KeyError:
+        return path
+
+
 def _file(path, kind):
-    if path.startswith("~"):  # a file in an account's home (account_files): ~account/relative/path
-        path = os.path.expanduser(path)
+    path = _home_path(path)
     try:
         info = os.lstat(path)
     except FileNotFoundError:
@@ -185,7 +196,7 @@ def _packages(module, names):
 
 
 def _account(name):
-    kind, _, account = name.partition(":")
+    kind, account = name.split(":", 1)
     try:
         if kind == "user":
             entry = pwd.getpwnam(account)
@@ -221,7 +232,7 @@ def read_box(module, managed):
 
 def _health(base_url, timeout):
     try:
-        with urllib.request.urlopen(base_url.rstrip("/") + "/health", timeout=timeout) as answer:
+        with open_url(base_url.rstrip("/") + "/health", timeout=timeout, validate_certs=False) as answer:
             return answer.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -298,7 +309,7 @@ def _merged(path, noted):
     merged = {kind: dict(entries) for kind, entries in noted.items()}
     for kind, entries in (earlier.get("managed") or {}).items():
         for name, detail in entries.items():
-            if kind == "files" and detail != "absent" and not os.path.lexists(os.path.expanduser(name)):
+            if kind == "files" and detail != "absent" and not os.path.lexists(_home_path(name)):
                 continue  # gone, and no task of this run made it
             merged.setdefault(kind, {}).setdefault(name, detail)
     return merged
