@@ -45,8 +45,18 @@ def controller(*args: str, timeout: float = 1800) -> tuple[float, subprocess.Com
     return time.monotonic() - started, done
 
 
+STAGES: dict[str, list[tuple[float, float]]] = {}  # label -> (probe [+plan+render for a fleet], site.yml run)
+
+
 def timed(label: str, *args: str, converged: int | None = None) -> float:
     took, done = controller(*args)
+    for line in done.stdout.splitlines():
+        event = json.loads(line) if line.startswith("{") else {}
+        if event.get("type") == "fleet" and event.get("run_seconds") is not None:
+            STAGES.setdefault(label, []).append((event["prepare_seconds"], event["run_seconds"]))
+        elif event.get("type") == "report":
+            STAGES.setdefault(label, []).append(((event.get("hardware") or {}).get("probe_seconds", 0),
+                                                 (event.get("run") or {}).get("elapsed", 0)))
     if done.returncode != 0:
         raise SystemExit(f"{label}: exit {done.returncode}\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     if converged is not None:
@@ -105,6 +115,10 @@ def main() -> int:
             ratios["provision --full 1 / converged provision 1"] = [r[4] / r[1] for r in rows]
         for label, values in ratios.items():
             print(f"{label}: median {statistics.median(values):.2f} (min {min(values):.2f}, max {max(values):.2f})")
+        for label, stages in STAGES.items():
+            prepare, run = zip(*stages)
+            print(f"{label}: probe (a fleet: probe, plan, render) median {statistics.median(prepare):.2f}s, site.yml run median "
+                  f"{statistics.median(run):.2f}s")
     return 0
 
 

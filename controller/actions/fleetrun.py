@@ -104,6 +104,7 @@ class FleetRun:
             "failed": [outcome.box for outcome in self.failed],
             "elapsed": round(self.elapsed, 2),
             "prepare_seconds": round(self.prepare_seconds, 2),
+            "run_seconds": round(self.run.elapsed, 2) if self.run is not None else None,  # the site.yml run
             "forks": self.forks,
         }
 

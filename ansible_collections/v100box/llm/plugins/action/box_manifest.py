@@ -45,7 +45,8 @@ _SKIP_PREFIXES = ("__", "ansible_facts", "ansible_net_", "ansible_play_", "ansib
 def collection_digest() -> str:
     digest = hashlib.sha256()
     for folder, dirs, files in os.walk(_COLLECTION):
-        dirs[:] = sorted(d for d in dirs if d not in ("__pycache__", "tests", ".git"))
+        # Not the tests, nor caches and tools' folders a clone gathers (.ansible, .pytest_cache, .ruff_cache, ...)
+        dirs[:] = sorted(d for d in dirs if d not in ("__pycache__", "tests") and not d.startswith("."))
         for name in sorted(files):
             if name.endswith((".pyc", ".pyo")):
                 continue
