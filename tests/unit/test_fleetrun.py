@@ -135,7 +135,8 @@ def test_the_json_summary_is_one_stable_object(tmp_path):
     stream.seek(0)
     summary = json.loads(stream.read())
     assert summary["type"] == "fleet" and summary["failed"] == ["b2", "ghost"] and summary["forks"] == 2
-    assert set(summary) == {"type", "boxes", "failed", "elapsed", "prepare_seconds", "forks"}
+    assert set(summary) == {"type", "boxes", "failed", "elapsed", "prepare_seconds", "run_seconds", "forks"}
+    assert summary["run_seconds"] is None  # no site.yml run in this one
     assert [box["box"] for box in summary["boxes"]] == ["a1", "b2", "ghost"]
     assert set(summary["boxes"][0]) == {"box", "result", "reason", "changed", "seconds", "verified", "probe_seconds",
                                         "plan_seconds", "report", "unplaced", "provisioned_as_asked"}
