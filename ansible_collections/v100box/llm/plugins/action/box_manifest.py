@@ -111,7 +111,8 @@ class ActionModule(ActionBase):
             noted = sys.modules.get(_CALLBACK)
             partial = bool(context.CLIARGS.get("tags") not in (None, (), ["all"], ("all",))
                            or context.CLIARGS.get("skip_tags") or context.CLIARGS.get("start_at_task"))
-            if noted is None or not args["digest"] or host in noted.FAILED or partial or self._task.check_mode:
+            checking = bool(self._task.check_mode or self._play_context.check_mode)
+            if noted is None or not args["digest"] or host in noted.FAILED or partial or checking:
                 args["managed"] = {}  # removes an older record: the next run is a full one
             else:
                 args["managed"] = noted.MANAGED.get(host, {})
