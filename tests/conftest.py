@@ -15,15 +15,20 @@ SHARED_FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtu
 IN_CI = os.environ.get("CI") == "true"
 # The gateway's tests hold more client connections than the gateway's maxconn (over a thousand sockets in this
 # process), beside what the suite keeps open: a soft limit of 1024 descriptors, as a service or a container may start
-# with, is too few. The soft limit may be raised up to the hard one.
+# with, is too few. The soft limit may be raised up to the hard one. (Importing ansible_test lowers it to 1024: the
+# suite asks ansible_test in child processes only: tests/unit/test_descriptor_limit.py.)
 NEEDED_DESCRIPTORS = 4096
+
+
+def wanted_descriptors() -> int:
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return NEEDED_DESCRIPTORS if hard == resource.RLIM_INFINITY else min(hard, NEEDED_DESCRIPTORS)
 
 
 def pytest_configure(config):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = NEEDED_DESCRIPTORS if hard == resource.RLIM_INFINITY else min(hard, NEEDED_DESCRIPTORS)
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    if soft != resource.RLIM_INFINITY and soft < wanted_descriptors():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted_descriptors(), hard))
 
 
 @pytest.fixture(scope="session")

@@ -154,12 +154,14 @@ subprocess.check_call([sys.executable, "-m", "pip", "install", "--upgrade", *arg
 def _sanity_home() -> Path:
     """ansible-test's home: its virtual environments stay in the project's cache between runs, apart from the
     user's ~/.ansible, with the stand-in get-pip.py where ansible-test looks for its cached copy."""
-    from types import SimpleNamespace
-
-    from ansible_test._internal.python_requirements import get_venv_packages
-
     home = cache_root() / "ansible-test" / "home"
-    pip = get_venv_packages(SimpleNamespace(version="3.11"))["pip"]
+    # Asked in a child process: importing ansible_test lowers the importing process's soft limit of open files to
+    # 1024 (ansible_test._internal.init), which the rest of the suite would inherit (the gateway's tests hold 1100
+    # connections; stop 26's CI failed on exactly that).
+    pip = subprocess.run([sys.executable, "-c", "from types import SimpleNamespace\n"
+                          "from ansible_test._internal.python_requirements import get_venv_packages\n"
+                          "print(get_venv_packages(SimpleNamespace(version='3.11'))['pip'])"],
+                         capture_output=True, text=True, check=True).stdout.strip()
     script = home / ".ansible/test/cache" / f"get_pip_{pip.replace('.', '_')}.py"
     script.parent.mkdir(parents=True, exist_ok=True)
     if not script.is_file() or script.read_text() != GET_PIP:
