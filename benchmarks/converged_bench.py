@@ -18,32 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
-from contextlib import ExitStack
 from pathlib import Path
-
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lab import image as lab_image  # noqa: E402
-from lab import target as lab_target  # noqa: E402
-from lab.demo import write_fleet  # noqa: E402
-from lab.fileserver import FileServer  # noqa: E402
-from lab.site import build_site  # noqa: E402
-from lab.target import free_port  # noqa: E402
-
-
-def controller(*args: str, timeout: float = 1800) -> tuple[float, subprocess.CompletedProcess]:
-    started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "controller", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, check=False)
-    return time.monotonic() - started, done
-
+from benchmarks.status_bench import controller, lab_fleet  # noqa: E402
 
 STAGES: dict[str, list[tuple[float, float]]] = {}  # label -> (probe [+plan+render for a fleet], site.yml run)
 
@@ -74,18 +55,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--full", action="store_true", help="also time provision --full of box 1 each round")
     args = parser.parse_args()
-    image = lab_image.ensure_image()
-    with tempfile.TemporaryDirectory(prefix="converged-bench-") as work_dir, ExitStack() as stack:
-        work = Path(work_dir)
-        catalog = build_site(work / "site")
-        targets = [stack.enter_context(lab_target.Target.start(image=image)) for _ in range(args.boxes)]
-        server = stack.enter_context(FileServer(work / "site"))
-        fleet_path = write_fleet(work, targets, server, catalog)
-        fleet = yaml.safe_load(fleet_path.read_text())
-        for box in fleet["boxes"].values():  # away from the ports of any `controller demo` boxes
-            box["base_port"] = free_port()
-        fleet_path.write_text(yaml.safe_dump(fleet, sort_keys=False))
-        names = list(fleet["boxes"])
+    with lab_fleet(args.boxes, "converged-bench-") as (fleet_path, names):
         fleet_arg = ("--fleet", str(fleet_path), "--json")
         took = timed("fresh provision --all", "provision", "--all", *fleet_arg)
         print(f"setup: fresh provision --all of {args.boxes} boxes: {took:.1f} s")

@@ -19,7 +19,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import yaml
@@ -33,13 +34,31 @@ from lab.demo import write_fleet  # noqa: E402
 from lab.fileserver import FileServer  # noqa: E402
 from lab.site import build_site  # noqa: E402
 from lab.target import free_port  # noqa: E402
+from tests.cli import run_controller  # noqa: E402
 
 
 def controller(*args: str, timeout: float = 1800) -> tuple[float, subprocess.CompletedProcess]:
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "controller", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    done = run_controller(*args, timeout=timeout)
     return time.monotonic() - started, done
+
+
+@contextmanager
+def lab_fleet(count: int, prefix: str) -> Iterator[tuple[Path, list[str]]]:
+    """``count`` new systemd containers of the benchmark's own (other names and ports than any `controller demo`
+    box) with the lab site served, and their fleet file; yields it and the boxes' names, removes them after."""
+    image = lab_image.ensure_image()
+    with tempfile.TemporaryDirectory(prefix=prefix) as work_dir, ExitStack() as stack:
+        work = Path(work_dir)
+        catalog = build_site(work / "site")
+        targets = [stack.enter_context(lab_target.Target.start(image=image)) for _ in range(count)]
+        server = stack.enter_context(FileServer(work / "site"))
+        fleet_path = write_fleet(work, targets, server, catalog)
+        fleet = yaml.safe_load(fleet_path.read_text())
+        for box in fleet["boxes"].values():  # away from the ports of any `controller demo` boxes
+            box["base_port"] = free_port()
+        fleet_path.write_text(yaml.safe_dump(fleet, sort_keys=False))
+        yield fleet_path, list(fleet["boxes"])
 
 
 def main() -> int:
@@ -48,18 +67,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3, help="status runs per size after the first")
     args = parser.parse_args()
     most = max(args.boxes)
-    image = lab_image.ensure_image()
-    with tempfile.TemporaryDirectory(prefix="status-bench-") as work_dir, ExitStack() as stack:
-        work = Path(work_dir)
-        catalog = build_site(work / "site")
-        targets = [stack.enter_context(lab_target.Target.start(image=image)) for _ in range(most)]
-        server = stack.enter_context(FileServer(work / "site"))
-        fleet_path = write_fleet(work, targets, server, catalog)
-        fleet = yaml.safe_load(fleet_path.read_text())
-        for box in fleet["boxes"].values():  # away from the ports of any `controller demo` boxes
-            box["base_port"] = free_port()
-        fleet_path.write_text(yaml.safe_dump(fleet, sort_keys=False))
-        names = list(fleet["boxes"])
+    with lab_fleet(most, "status-bench-") as (fleet_path, names):
         took, done = controller("provision", "--all", "--fleet", str(fleet_path), "--json")
         print(f"setup: provision --all of {most} boxes: {took:.1f} s, exit {done.returncode}")
         if done.returncode != 0:

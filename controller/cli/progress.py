@@ -85,10 +85,7 @@ class Progress:
             self.stream.write(json.dumps({"type": "task", "host": host, "task": task, "status": status,
                                           "elapsed": round(elapsed, 2)}) + "\n")
             if said:  # the converged fast path's decision for this box
-                res = data.get("res") or {}
-                self.stream.write(json.dumps({"type": "fast_path", "host": host, "converged": bool(res["converged"]),
-                                              "reasons": list(res.get("reasons") or []),
-                                              "entries": res.get("entries", 0)}) + "\n")
+                self.stream.write(json.dumps(_fast_path_event(host, data)) + "\n")
             self.stream.flush()
             return
         section = data.get("role") or "play"
@@ -137,6 +134,13 @@ class Progress:
                 escape(f"{result.playbook}: {host}:") + f" ok={stats.ok} changed={stats.changed} failed={stats.failures} "
                 f"unreachable={stats.unreachable} skipped={stats.skipped} in {result.elapsed:.1f}s"
             )
+
+
+def _fast_path_event(host: str, data: dict[str, Any]) -> dict[str, Any]:
+    """The ``fast_path`` JSON event of a comparison's result (``_converged_line`` said it is one)."""
+    res = data.get("res") or {}
+    return {"type": "fast_path", "host": host, "converged": bool(res["converged"]),
+            "reasons": list(res.get("reasons") or []), "entries": res.get("entries", 0)}
 
 
 def _converged_line(data: dict[str, Any]) -> str | None:
@@ -235,11 +239,8 @@ class FleetProgress:
             return
         said = _converged_line(data)
         if said:  # the converged fast path's decision for this box
-            res = data.get("res") or {}
             elapsed = time.monotonic() - self.started
-            self._emit({"type": "fast_path", "host": host, "converged": bool(res["converged"]),
-                        "reasons": list(res.get("reasons") or []), "entries": res.get("entries", 0)},
-                       f"{elapsed:7.1f}s  " + escape(f"{host}: {said}"))
+            self._emit(_fast_path_event(host, data), f"{elapsed:7.1f}s  " + escape(f"{host}: {said}"))
         row = self.rows.setdefault(host, {"task": "", "ok": 0, "changed": 0, "failed": 0})
         task = data.get("task", "?")
         row["task"] = task

@@ -163,3 +163,22 @@ def test_the_digest_follows_the_inputs_not_the_bookkeeping():
                     {"ansible_facts": {"distribution": "Ubuntu", "os_family": "Debian"}},
                     {"llama_service_api_key": "sk-new"}):
         assert action.inputs_digest({**base, **changed}) != digest, changed
+
+
+def test_units_are_read_from_one_systemctl_show_and_a_stopped_or_reloaded_unit_is_named():
+    def answers(active: str, reload: str) -> SimpleNamespace:
+        block = ("Id={}\nLoadState=loaded\nActiveState={}\nUnitFileState=enabled\nNeedDaemonReload={}\n"
+                 "DropInPaths=\nFragmentPath=/etc/systemd/system/{}\n")
+        out = "\n".join(block.format(name, active, reload, name) for name in ("a.service", "b.service"))
+        return SimpleNamespace(run_command=lambda argv: (0, out, ""))
+
+    units = box._units(answers("active", "no"), ["a.service", "b.service"])
+    assert units["b.service"] == {"LoadState": "loaded", "ActiveState": "active", "UnitFileState": "enabled",
+                                  "NeedDaemonReload": "no", "DropInPaths": "",
+                                  "FragmentPath": "/etc/systemd/system/b.service"}
+    record = {"state": {"files": {}, "units": units, "packages": {}, "accounts": {}, "firewall": {}}}
+    found = {"files": {}, "units": box._units(answers("inactive", "yes"), ["a.service", "b.service"]),
+             "packages": {}, "accounts": {}, "firewall": {}}
+    assert box.compare(record, found) == [
+        "unit a.service is inactive, was active", "unit a.service: systemd runs an older copy of its unit file",
+        "unit b.service is inactive, was active", "unit b.service: systemd runs an older copy of its unit file"]

@@ -1,4 +1,4 @@
-"""``systemctl show`` output, as ``llama_box_state`` and ``llama_burn_in`` read it on the box."""
+"""``systemctl show`` output, as ``llama_box_state``, ``llama_burn_in`` and ``box_manifest`` read it on the box."""
 
 from __future__ import annotations
 

@@ -94,6 +94,8 @@ import urllib.error
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.urls import open_url
 
+from ansible_collections.v100box.llm.plugins.module_utils.systemd import show_properties
+
 VERSION = 1
 BIG = 64 * 1024 * 1024  # files larger than this are recorded by size, mtime and inode, not hashed
 
@@ -168,10 +170,8 @@ def _units(module, names):
                                       + list(names))
     if rc != 0:
         return {name: {"error": err.strip() or f"systemctl show exited {rc}"} for name in names}
-    blocks = [dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
-              for block in out.strip().split("\n\n")]
     return {name: {key: block.get(key, "") for key in _UNIT_PROPERTIES if key != "Id"}
-            for name, block in zip(names, blocks)}
+            for name, block in zip(names, show_properties(out))}
 
 
 def _packages(module, names):
