@@ -44,6 +44,7 @@ from email.utils import formatdate
 from pathlib import Path
 
 from lab.engine_build import cache_root, sha256_file
+from lab.host import cache_lock
 
 DRIVER_VERSIONS = ("535.247.01-1", "570.195.03-1", "580.95.05-1", "595.45.04-1")
 """Driver package versions in the repository: below the window, the window's two ends, and above it."""
@@ -394,6 +395,19 @@ def input_key() -> str:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _build_into(cached: Path) -> None:
+    with tempfile.TemporaryDirectory(dir=cached.parent, prefix=".build-") as tmp:
+        staged, work = Path(tmp) / "repo", Path(tmp) / "work"
+        staged.mkdir()
+        work.mkdir()
+        for package in all_packages(work):
+            build_deb(package, staged, work)
+        write_index(staged)
+        if cached.exists():
+            shutil.rmtree(cached)
+        os.replace(staged, cached)
+
+
 def build(dest: Path | None = None) -> Path:
     """Return a folder holding the built repository, from the cache when the inputs are unchanged.
 
@@ -402,16 +416,9 @@ def build(dest: Path | None = None) -> Path:
     cached = cache_root() / "aptrepo" / input_key()
     if not (cached / "Release").is_file():
         cached.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cached.parent, prefix=".build-") as tmp:
-            staged, work = Path(tmp) / "repo", Path(tmp) / "work"
-            staged.mkdir()
-            work.mkdir()
-            for package in all_packages(work):
-                build_deb(package, staged, work)
-            write_index(staged)
-            if cached.exists():
-                shutil.rmtree(cached)
-            os.replace(staged, cached)
+        with cache_lock(cached.parent / f".{cached.name}.lock"):  # the suite's workers share the cache
+            if not (cached / "Release").is_file():
+                _build_into(cached)
     if dest is None:
         return cached
     if dest.exists():

@@ -93,7 +93,17 @@ def build(jobs: int | None = None) -> Path:
     out = cache_root() / "engines" / f"llama.cpp-{LLAMA_CPP_COMMIT}-cpu-{build_key()}"
     if all((out / name).is_file() for name in TARGETS):
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    from lab.host import cache_lock  # lab.host imports this module
+
+    # The suite's workers (and other sessions) share the cache: one builds, the others wait for its result.
+    with cache_lock(out.parent / f".{out.name}.lock"):
+        if all((out / name).is_file() for name in TARGETS):
+            return out
+        _build_into(out, jobs)
+    return out
+
+
+def _build_into(out: Path, jobs: int | None) -> None:
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".build-") as tmp:
         src = extract_source(Path(tmp))
         build_dir = Path(tmp) / "build"
@@ -113,7 +123,6 @@ def build(jobs: int | None = None) -> Path:
         if out.exists():
             shutil.rmtree(out)
         os.replace(staged, out)
-    return out
 
 
 if __name__ == "__main__":

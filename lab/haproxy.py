@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 
 from lab import localplay
-from lab.host import debian_packages
+from lab.host import cache_lock, debian_packages
 
 # haproxy and what a Debian 12 minbase system lacks of its dependencies (apt-cache depends haproxy).
 DEBS = ("haproxy", "liblua5.3-0", "libopentracing-c-wrapper0", "libopentracing1")
@@ -32,9 +32,11 @@ def unpacked() -> tuple[Path, dict[str, str]]:
     folder = debs()
     root = folder / "root"
     binary = root / "usr" / "sbin" / "haproxy"
-    if not binary.exists():
-        for deb in sorted(folder.glob("*.deb")):
-            subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
+    with cache_lock(folder / ".unpack.lock"):  # the suite's workers share the cache: one unpacks, in full
+        if not (root / ".unpacked").exists():
+            for deb in sorted(folder.glob("*.deb")):
+                subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
+            (root / ".unpacked").touch()
     return binary, {**os.environ, "LD_LIBRARY_PATH": str(root / "usr" / "lib" / "x86_64-linux-gnu")}
 
 

@@ -51,6 +51,12 @@ def debian_packages(group: str, names: Sequence[str]) -> Path:
     ~/.cache/v100-llm-box/debs/<group>, for a target to install with dpkg or a test to unpack."""
     folder = cache_root() / "debs" / group
     folder.mkdir(parents=True, exist_ok=True)
+    with cache_lock(folder / ".lock"):  # the suite's workers share the cache
+        _download_debs(folder, names)
+    return folder
+
+
+def _download_debs(folder: Path, names: Sequence[str]) -> None:
     if len(list(folder.glob("*.deb"))) < len(names):
         done = subprocess.run(["apt-get", "download", *names], cwd=folder, capture_output=True, text=True, check=False)
         if done.returncode != 0:  # package lists older than the archive: refresh them once
@@ -59,7 +65,6 @@ def debian_packages(group: str, names: Sequence[str]) -> Path:
                                   check=False)
         if done.returncode != 0:
             raise LabError(f"apt-get download {' '.join(names)} failed: {done.stderr.strip()}")
-    return folder
 
 
 def ensure_host_ready() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["tests.plugins.target"]
+pytest_plugins = ["tests.plugins.target", "tests.plugins.schedule"]
 
 SHARED_FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "real"
 IN_CI = os.environ.get("CI") == "true"

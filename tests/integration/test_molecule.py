@@ -27,7 +27,6 @@ import subprocess
 import sys
 import tarfile
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -44,7 +43,8 @@ pytestmark = [pytest.mark.podman, pytest.mark.engine, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 # The longest first (a busy 2-core machine: llama_service-exposed ~290 s alone, llama_engine-source ~240 s,
-# nvidia_driver and llama_service-default ~170 s), so that the pool's last scenarios are short ones.
+# nvidia_driver and llama_service-default ~170 s): the suite's workers take them in this order (tests/plugins/schedule.py),
+# so that the last ones to start are short.
 SCENARIOS = [
     ("llama_service", "exposed"),
     ("llama_engine", "source"),
@@ -59,7 +59,8 @@ SCENARIOS = [
     ("llm_gateway", "default"),
     ("thermal_guard", "default"),
 ]
-PARALLEL = 3  # scenarios at a time: each spends much of its time waiting on its container and its servers
+# Each scenario is its own container on its own ports with its own molecule folder: the suite's workers run them side
+# by side, a scenario a test (tests/plugins/schedule.py names this file in PER_TEST_FILES).
 # nginx and what Debian 12's target image lacks of its dependencies (apt-cache depends nginx).
 NGINX_DEBS = ("nginx", "nginx-common")
 # What the stand-in nvidia-smi reports for thermal_guard: one V100 PCIe (its power range) at a cool 40 °C.
@@ -166,18 +167,6 @@ def scenario_env(lab_site, target_image):
         yield env
 
 
-def _port_blocks(count: int) -> list[int]:
-    """``count`` first ports of three consecutive free ports each, no two blocks overlapping."""
-    taken: set[int] = set()
-    blocks = []
-    while len(blocks) < count:
-        port = _free_ports()
-        if not taken & {port, port + 1, port + 2}:
-            taken |= {port, port + 1, port + 2}
-            blocks.append(port)
-    return blocks
-
-
 def _molecule(role: str, scenario: str, port: int, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     env = {**env, "V100BOX_TEST_PORT": str(port), "V100BOX_MOLECULE_ID": f"{role}-{scenario}-{port}"}
     return subprocess.run(["molecule", "test", "--scenario-name", scenario],
@@ -185,22 +174,9 @@ def _molecule(role: str, scenario: str, port: int, env: dict[str, str]) -> subpr
                           capture_output=True, text=True, timeout=1500, check=False)
 
 
-@pytest.fixture(scope="module")
-def scenario_runs(request, scenario_env) -> Iterator[dict[tuple[str, str], Future]]:
-    """Every selected scenario started at once, PARALLEL at a time (each is its own container on its own ports,
-    with its own molecule folder): the longest first, so the short ones fill in beside them. A test waits for its
-    own."""
-    selected = {(item.callspec.params["role"], item.callspec.params["scenario"]) for item in request.session.items
-                if item.module is request.module and hasattr(item, "callspec")}
-    chosen = [pair for pair in SCENARIOS if pair in selected]
-    with ThreadPoolExecutor(max_workers=PARALLEL) as pool:
-        yield {(role, scenario): pool.submit(_molecule, role, scenario, port, scenario_env)
-               for (role, scenario), port in zip(chosen, _port_blocks(len(chosen)))}
-
-
 @pytest.mark.parametrize(("role", "scenario"), SCENARIOS, ids=[f"{r}-{s}" for r, s in SCENARIOS])
-def test_molecule_scenario(role, scenario, scenario_runs):
-    done = scenario_runs[(role, scenario)].result()
+def test_molecule_scenario(role, scenario, scenario_env):
+    done = _molecule(role, scenario, _free_ports(), scenario_env)
     output = done.stdout + done.stderr
     failures = [line for line in output.splitlines() if line.startswith(("fatal:", "failed:", "ERROR!", "[ERROR]"))
                 or "UNREACHABLE" in line]

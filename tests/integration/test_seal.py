@@ -68,7 +68,7 @@ def journal_text(target) -> str:
 def sealed(tmp_path_factory, lab_site, systemd_target):
     """lab1 provisioned, certified and sealed once (lab2 never certified); the seal's --json answer and paths."""
     root, catalog = lab_site
-    # The seal needs a passed certification, not a fast one: on a busy CI machine the lab's demo band (100 tok/s on
+    # The seal needs a passed certification, not a fast one: on a busy CI machine the lab's demo band (10 tok/s on
     # the CPU engine) can fail for want of CPU. A copy of the catalog beside it (its paths stay valid) asks for 1.
     models = yaml.safe_load(catalog.read_text())
     for entry in models["models"].values():

@@ -1,0 +1,82 @@
+"""How the suite shares this machine's cores (pytest-xdist: ``-n auto`` in pyproject.toml).
+
+Each test file is one unit of work, kept on one worker in its order, so that its module-scoped fixtures (a booted and
+provisioned target, a served site) are set up once and its tests may build on each other; the files in
+``PER_TEST_FILES`` (the molecule scenarios: each its own container, nothing shared) hand out each test on its own.
+The units go out longest first (the molecule scenarios, the integration files by their measured time, then the unit
+tests), so that the short ones fill in beside the long ones and no worker starts a long file when the others are
+nearly done. ``-n 0`` (or ``-p no:xdist``) runs everything in this process, in the same order.
+
+(xdist's own ``--dist loadgroup`` does not group under pytest 9: it renames the items in a way pytest 9 no longer
+reads. This scheduler groups by the test id instead.)
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from xdist.scheduler import LoadScopeScheduling
+
+PER_TEST_FILES = frozenset({"tests/integration/test_molecule.py"})
+# Seconds each of the longest files took in a full run (`pytest --durations=0`, summed per file, setup and teardown
+# included): only their order matters. A file not named counts as short.
+MEASURED_SECONDS = {
+    "tests/integration/test_llama_firewall.py": 280,
+    "tests/integration/test_fleet_status.py": 240,
+    "tests/integration/test_engine_rollback.py": 230,
+    "tests/integration/test_provision_e2e.py": 230,
+    "tests/integration/test_thermal_guard.py": 200,
+    "tests/integration/test_llm_gateway.py": 200,
+    "tests/integration/test_seal.py": 180,
+    "tests/integration/test_fleet_provision.py": 120,
+    "tests/integration/test_certify.py": 110,
+    "tests/integration/test_lint.py": 110,
+    "tests/integration/test_demo_agents.py": 100,
+    "tests/integration/test_lan_cache.py": 100,
+    "tests/integration/test_target.py": 90,
+    "tests/integration/test_wheel.py": 90,
+    "tests/integration/test_fleet_lock.py": 80,
+}
+# Workers per core: the integration tests spend much of their time waiting on containers and servers.
+WORKERS_PER_CORE = 1.5
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one and a half workers a core (3 on the 2-core CI machine); V100BOX_TEST_WORKERS overrides."""
+    wanted = os.environ.get("V100BOX_TEST_WORKERS")
+    if wanted:
+        return int(wanted)
+    return max(1, round((os.cpu_count() or 1) * WORKERS_PER_CORE))
+
+
+def scope_of(nodeid: str) -> str:
+    """The unit of work a test belongs to: its file, or the test itself in the files of PER_TEST_FILES."""
+    path = nodeid.split("::", 1)[0]
+    return nodeid if path in PER_TEST_FILES else path
+
+
+class FileScheduling(LoadScopeScheduling):
+    """xdist's scope scheduling with scope_of as the scope."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return scope_of(nodeid)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> FileScheduling:
+    return FileScheduling(config, log)
+
+
+def _rank(item: pytest.Item) -> tuple[int, float]:
+    path = item.path.relative_to(item.config.rootpath).as_posix()
+    if path in PER_TEST_FILES:
+        return (0, 0.0)
+    if path.startswith("tests/integration/"):
+        return (1, -MEASURED_SECONDS.get(path, 0))
+    return (2, 0.0)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # A stable sort: a file's tests stay together and in their order. The workers' collections are what xdist
+    # hands out from, so the units go out in this order.
+    items.sort(key=_rank)
