@@ -19,24 +19,27 @@ import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 PER_TEST_FILES = frozenset({"tests/integration/test_molecule.py"})
-# Seconds each of the longest files took in a full run (`pytest --durations=0`, summed per file, setup and teardown
-# included): only their order matters. A file not named counts as short.
+# Seconds each of the longest files took in a full run under three workers (2026-11-26: junit times summed per file,
+# setup and teardown included): only their order matters. A file not named counts as short.
 MEASURED_SECONDS = {
-    "tests/integration/test_llama_firewall.py": 280,
-    "tests/integration/test_fleet_status.py": 240,
-    "tests/integration/test_engine_rollback.py": 230,
-    "tests/integration/test_provision_e2e.py": 230,
-    "tests/integration/test_thermal_guard.py": 200,
-    "tests/integration/test_llm_gateway.py": 200,
-    "tests/integration/test_seal.py": 180,
-    "tests/integration/test_fleet_provision.py": 120,
-    "tests/integration/test_certify.py": 110,
-    "tests/integration/test_lint.py": 110,
-    "tests/integration/test_demo_agents.py": 100,
-    "tests/integration/test_lan_cache.py": 100,
-    "tests/integration/test_target.py": 90,
-    "tests/integration/test_wheel.py": 90,
-    "tests/integration/test_fleet_lock.py": 80,
+    "tests/integration/test_llama_firewall.py": 500,
+    "tests/integration/test_fleet_status.py": 352,
+    "tests/integration/test_llm_gateway.py": 349,
+    "tests/integration/test_provision_e2e.py": 344,
+    "tests/integration/test_thermal_guard.py": 335,
+    "tests/integration/test_engine_rollback.py": 300,
+    "tests/integration/test_seal.py": 250,
+    "tests/integration/test_fleet_provision.py": 246,
+    "tests/integration/test_certify.py": 229,
+    "tests/integration/test_demo_agents.py": 209,
+    "tests/integration/test_lint.py": 201,
+    "tests/integration/test_lan_cache.py": 198,
+    "tests/integration/test_target.py": 136,
+    "tests/integration/test_wheel.py": 133,
+    "tests/integration/test_fleet_lock.py": 132,
+    "tests/integration/test_nvidia_nodes.py": 121,
+    "tests/integration/test_collection.py": 103,
+    "tests/integration/test_driver_e2e.py": 86,
 }
 # Workers per core: the integration tests spend much of their time waiting on containers and servers.
 WORKERS_PER_CORE = 1.5
