@@ -55,6 +55,15 @@ def cache_section(box: Box, run: RunResult | None) -> dict[str, Any] | None:
             **{kind: seen[kind] for kind in ("models", "engines") if kind in seen}, "notes": notes}
 
 
+def fast_path_section(box: Box, run: RunResult | None) -> dict[str, Any] | None:
+    """What site.yml's first comparison decided for the box: converged (only the servers were checked) or a full
+    run, with the differences it found (None: no comparison, a Windows box or no run)."""
+    seen = ((run.data.get("fast_path") or {}).get(box.name)) if run is not None else None
+    if not seen:
+        return None
+    return {"converged": bool(seen.get("converged")), "reasons": list(seen.get("reasons") or [])}
+
+
 def build_report(box: Box, profile: HardwareProfile, plan: ServePlan, run: RunResult | None,
                  verify: dict[str, Any], probe_seconds: float) -> dict[str, Any]:
     """The report of one box; ``verify`` is what its checks answered (controller.stages.verify.results)."""
@@ -95,6 +104,7 @@ def build_report(box: Box, profile: HardwareProfile, plan: ServePlan, run: RunRe
         },
         "driver": driver_section(box, run),
         "cache": cache_section(box, run),
+        "fast_path": fast_path_section(box, run),
         "services": services,
         "unplaced": [item.model_dump() for item in plan.unplaced],
         "verified": outcome.verified,
@@ -137,6 +147,10 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", "## LAN cache", f"- Files through the cache on {cache['host']} ({cache['url']}); upstream "
                   f"fallback {'allowed' if cache['fallback_allowed'] else 'not allowed'}"]
         lines += [f"- Note: {note}" for note in cache.get("notes", [])]
+    fast = report.get("fast_path")
+    if fast:
+        lines += ["", "## This run", "- The box matched the record of its last full run: only the servers were checked"
+                  if fast["converged"] else "- A full run: " + ("; ".join(fast["reasons"]) or "every role ran")]
     lines += ["", "## Services"]
     for service in report["services"]:
         openai, anthropic = service.get("openai") or {}, service.get("anthropic") or {}

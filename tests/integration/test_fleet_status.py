@@ -127,6 +127,8 @@ def test_a_converged_box_ends_after_one_comparison_and_full_runs_every_role(flee
         task["task"] for task in tasks}  # the servers are checked again; the roles did not run
     (report,) = _events(done.stdout, "report")
     assert report["verified"] is True
+    written = fleet_file.parent / "inventory" / "reports" / "lab1.json"  # the box's report says what this run was
+    assert json.loads(written.read_text())["fast_path"] == {"converged": True, "reasons": []}
 
     # A drift no status check names: a file a role manages, its mode changed by hand.
     systemd_target.exec("chmod 0644 /etc/llama/llama-tiny-llama.env")
@@ -134,6 +136,8 @@ def test_a_converged_box_ends_after_one_comparison_and_full_runs_every_role(flee
     (decision,) = _events(done.stdout, "fast_path")
     assert decision["converged"] is False and decision["reasons"] == [
         "/etc/llama/llama-tiny-llama.env: mode changed"], decision
+    assert json.loads(written.read_text())["fast_path"] == {
+        "converged": False, "reasons": ["/etc/llama/llama-tiny-llama.env: mode changed"]}
     assert systemd_target.exec("stat -c %a /etc/llama/llama-tiny-llama.env").strip() == "600"
 
     full = controller("provision", "lab1", "--fleet", str(fleet_file), "--json", "--full")

@@ -14,7 +14,7 @@ from tests.unit.tiny_box import CPU_PROFILE
 SERVICE_FIELDS = {"name", "model", "engine", "endpoint", "gpus", "ctx", "parallel", "verified", "health",
                   "served_ids", "openai", "anthropic", "auth", "reasons"}
 REPORT_FIELDS = {"box", "address", "generated", "hardware", "run", "driver", "cache", "services", "unplaced",
-                 "verified", "provisioned_as_asked"}
+                 "verified", "provisioned_as_asked", "fast_path"}
 
 
 def box(tmp_path, **fields):
@@ -81,3 +81,23 @@ def test_a_box_that_serves_everything_it_was_asked_says_so_without_a_not_placed_
     assert not_as_asked(report) is None
     text = markdown(report)
     assert "Verified: **yes**." in text and "Not placed" not in text and "as asked: **NO**" not in text
+
+
+def test_the_report_says_whether_the_run_was_a_full_one_and_why(tmp_path):
+    """site.yml publishes its first comparison (set_stats fast_path); the report keeps it, per box."""
+    def report_for(decision):
+        run = site_run(answers=RECORDED)
+        if decision is not None:
+            run.data["fast_path"] = {"box1": decision, "other": {"converged": True, "reasons": []}}
+        return build_report(box(tmp_path, api_key={"env": "K"}), CPU_PROFILE, plan_of(service()), run,
+                            copy.deepcopy(RECORDED), 0.5)
+
+    full = report_for({"converged": False, "reasons": ["/etc/llama/llama-tiny.env: mode changed"]})
+    assert full["fast_path"] == {"converged": False, "reasons": ["/etc/llama/llama-tiny.env: mode changed"]}
+    assert "- A full run: /etc/llama/llama-tiny.env: mode changed" in markdown(full)
+    converged = report_for({"converged": True, "reasons": []})
+    assert converged["fast_path"] == {"converged": True, "reasons": []}
+    assert "only the servers were checked" in markdown(converged)
+    # No comparison (a Windows box, a run that never started): no section, and no line.
+    alone = report_for(None)
+    assert alone["fast_path"] is None and "## This run" not in markdown(alone)
