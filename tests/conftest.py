@@ -27,8 +27,9 @@ def wanted_descriptors() -> int:
 
 def pytest_configure(config):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < wanted_descriptors():
-        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted_descriptors(), hard))
+    wanted = wanted_descriptors()
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
 @pytest.fixture(scope="session")
