@@ -26,6 +26,7 @@ from lab.site import build_site, mirror
 DEMO_NAME = "v100box-demo"
 DEMO_BOX = "demo"
 DEMO_PORT = 18080
+SITE_PORT_FILE = "site-port"  # in the demo folder: the port the demo's download site had last time
 PORT_STEP = 10  # `controller demo --boxes N`: box i serves from DEMO_PORT + PORT_STEP * (i - 1) (one loopback)
 MAX_BOXES = 32
 
@@ -132,8 +133,25 @@ def demo_fleet(folder: Path | None = None, boxes: int = 1, removed: list[str] | 
     if removed is not None:
         removed.extend(sorted((box_of(name) for name in surplus), key=box_index))
     targets = [demo_target(container_name(index)) for index in range(1, boxes + 1)]
-    with FileServer(folder / "site") as server:
+    with site_server(folder) as server:
         yield write_fleet(folder, targets, server, catalog)
+
+
+def site_server(folder: Path) -> FileServer:
+    """The demo's download site, on the port it had the last time when that port is free. The site's address is one
+    of a box's inputs (its mirror), so a rerun on the same address can take the converged fast path; on a new one the
+    run is a full one, and its report says the inputs differ."""
+    remembered = folder / SITE_PORT_FILE
+    try:
+        port = int(remembered.read_text())
+    except (OSError, ValueError):
+        port = 0
+    try:
+        server = FileServer(folder / "site", port=port)
+    except OSError:  # taken by something else since
+        server = FileServer(folder / "site")
+    write_atomic(remembered, f"{server.port}\n")
+    return server
 
 
 def demo_containers() -> list[str]:

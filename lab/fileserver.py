@@ -123,7 +123,11 @@ class FileServer:
         self._key = secrets.token_bytes(16)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", port))
+        try:
+            self._sock.bind(("127.0.0.1", port))
+        except OSError:
+            self._sock.close()
+            raise
         self.port: int = self._sock.getsockname()[1]
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

@@ -25,13 +25,13 @@ ROOT = Path(__file__).resolve().parents[2]
 COLLECTION = ROOT / "ansible_collections/v100box/llm"
 BIN = Path(sys.executable).parent
 GALAXY = yaml.safe_load((COLLECTION / "galaxy.yml").read_text())
-# llama_api_check.ps1, the module's Windows file, has the same name and its documentation is the .py's.
+# win_llama_api_check.ps1, the Windows file of llama_api_check, is documented by llama_api_check.py.
 MODULES = sorted(path.stem for path in (COLLECTION / "plugins/modules").glob("*.py"))
 ROLES = sorted(path.name for path in (COLLECTION / "roles").iterdir() if path.is_dir())
 FILTERS = ["llama_gpu_minors", "openclaw_merge", "openclaw_problem", "reachable_host", "systemd_command",
            "systemd_quote"]
 # The default sanity tests that cannot run here, each for a tool this machine does not have:
-# pslint needs PowerShell and PSScriptAnalyzer (llama_api_check.ps1 is its one target), and shellcheck the
+# pslint needs PowerShell and PSScriptAnalyzer (win_llama_api_check.ps1 is its one target), and shellcheck the
 # shellcheck binary. Every other default test runs.
 SANITY_SKIPPED = ["pslint", "shellcheck"]
 
@@ -71,7 +71,7 @@ def test_the_tarball_holds_the_ansible_side_and_nothing_of_the_tests(installed):
         manifest = json.load(archive.extractfile("MANIFEST.json"))["collection_info"]
     assert (manifest["namespace"], manifest["name"], manifest["version"]) == ("v100box", "llm", GALAXY["version"])
     assert manifest["dependencies"] == GALAXY["dependencies"]
-    expected = {"meta/runtime.yml", "README.md", "plugins/modules/llama_api_check.ps1",
+    expected = {"meta/runtime.yml", "README.md", "plugins/modules/win_llama_api_check.ps1",
                 "plugins/action/llama_api_check.py", "plugins/filter/v100box.py",
                 *(f"playbooks/{path.name}" for path in (COLLECTION / "playbooks").glob("*.yml")),
                 *(f"roles/{role}/meta/argument_specs.yml" for role in ROLES),

@@ -105,7 +105,7 @@ def demo_machine(tmp_path, monkeypatch):
         return FakeTarget(2200 + demo.box_index(demo.box_of(name)))
 
     monkeypatch.setattr(demo, "demo_target", start)
-    monkeypatch.setattr(demo, "FileServer", lambda root: contextlib.nullcontext(FakeServer()))
+    monkeypatch.setattr(demo, "site_server", lambda folder: contextlib.nullcontext(FakeServer()))
     hardware = HardwareProfile(cpu=Cpu(cores=2, threads=2), memory_mib=8192, os=OsInfo(family="linux"))
 
     def render_box(inventory, fleet, box, profile, plan):
@@ -157,3 +157,23 @@ def test_demo_boxes_go_into_the_lock_and_a_smaller_run_says_what_it_removed(demo
     assert lock["changes"] == ["demo2: removed (the fleet no longer names it)"]
     assert _locked(folder) == ["demo"] and running == [demo.DEMO_NAME]
     assert list(yaml.safe_load((folder / "fleet.yml").read_text())["boxes"]) == ["demo"]
+
+
+def test_the_demo_site_keeps_its_port_while_it_is_free(tmp_path):
+    """The site's address is one of the demo box's inputs: a rerun serves on the same port, so the box can take the
+    converged fast path; a port taken since gives way to a new one, remembered for the next run."""
+    import socket
+
+    from lab.demo import site_server
+
+    (tmp_path / "site").mkdir()
+    with site_server(tmp_path) as first:
+        port = first.port
+    with site_server(tmp_path) as again:
+        assert again.port == port
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen()
+        with site_server(tmp_path) as moved:
+            assert moved.port != port
+    assert (tmp_path / "site-port").read_text() == f"{moved.port}\n"

@@ -13,15 +13,17 @@ from tests.unit.windows.powershell import parse_errors
 
 PLUGINS = Path(__file__).resolve().parents[3] / "ansible_collections/v100box/llm/plugins"
 LINUX = PLUGINS / "modules" / "llama_api_check.py"
-WINDOWS = PLUGINS / "modules" / "llama_api_check.ps1"
+WINDOWS = PLUGINS / "modules" / "win_llama_api_check.ps1"
+WINDOWS_DOC = PLUGINS / "modules" / "win_llama_api_check.py"
+OPTIONS = PLUGINS / "doc_fragments" / "llama_api_check.py"  # both modules' documented options
 
 
-def _module_constant(name: str) -> str:
-    tree = ast.parse(LINUX.read_text())
-    for node in tree.body:
+def _module_constant(name: str, path: Path = LINUX) -> str:
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
             return ast.literal_eval(node.value)
-    raise AssertionError(f"{LINUX.name} has no {name}")
+    raise AssertionError(f"{path.name} has no {name}")
 
 
 def linux_fields() -> dict[str, set[str]]:
@@ -66,6 +68,10 @@ def windows_set_fields() -> dict[str, set[str]]:
 
 def test_both_modules_list_the_same_fields():
     assert windows_listed_fields() == linux_fields()
+    assert set(yaml.safe_load(_module_constant("RETURN", WINDOWS_DOC))) == set(linux_fields())
+    for path in (LINUX, WINDOWS_DOC):
+        assert yaml.safe_load(_module_constant("DOCUMENTATION", path))["extends_documentation_fragment"] == \
+            ["v100box.llm.llama_api_check"]
 
 
 def test_the_windows_module_sets_every_listed_field():
@@ -75,7 +81,7 @@ def test_the_windows_module_sets_every_listed_field():
 
 def test_the_windows_module_takes_the_same_options_and_parses():
     assert parse_errors(WINDOWS.read_text()) == []
-    options = set(yaml.safe_load(_module_constant("DOCUMENTATION"))["options"])
+    options = set(yaml.safe_load(_module_constant("DOCUMENTATION", OPTIONS))["options"])
     spec = WINDOWS.read_text().split("options = @{", 1)[1].split("\n    }", 1)[0]
     assert set(re.findall(r"^\s+(\w+) = @\{", spec, re.M)) == options
 

@@ -1,7 +1,7 @@
 """Every module of the collection documents itself so that ``ansible-doc`` reads it: DOCUMENTATION, EXAMPLES and
 RETURN parse, every description is text (a ``key: value`` inside a description item turns it into a mapping), and
-the examples call the module by its full name. The Windows module has no documentation of its own: ansible-doc
-reads its twin's (the .py of the same name)."""
+the examples call the module by its full name. A Windows module is documented by the .py of its name
+(win_llama_api_check.py; its options are llama_api_check's, a documentation fragment of the collection)."""
 
 from __future__ import annotations
 

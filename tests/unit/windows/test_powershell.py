@@ -30,12 +30,16 @@ def test_powershell_module_parses(module: Path):
     assert "#AnsibleRequires -CSharpUtil Ansible.Basic" in module.read_text()
 
 
-def test_each_windows_module_has_an_action_that_keeps_it_off_linux_boxes():
-    # Beside llama_api_check.py, the .ps1 is what Ansible would run on a Linux box; the collection's action plugin of
-    # the same name asks for the .py there (tests/unit/plugins/test_module_resolution.py).
+def test_each_windows_module_is_run_by_its_linux_twins_action():
+    # win_<name>.ps1 has a name of its own, so that no lookup of <name> (the mitogen strategy's takes a module of
+    # any extension) finds it on a Linux box; the action plugin <name> runs it on a PowerShell host, so a role checks
+    # a box with one task (tests/unit/plugins/test_module_resolution.py).
     plugins = PROJECT / "ansible_collections/v100box/llm/plugins"
-    assert [str(path.relative_to(plugins)) for path in MODULES] == ["modules/llama_api_check.ps1"]
-    assert all((plugins / "action" / path.with_suffix(".py").name).is_file() for path in MODULES)
+    assert [str(path.relative_to(plugins)) for path in MODULES] == ["modules/win_llama_api_check.ps1"]
+    for path in MODULES:
+        twin = path.name.removeprefix("win_").removesuffix(".ps1")
+        assert (plugins / "modules" / f"{twin}.py").is_file() and not (plugins / "modules" / f"{twin}.ps1").exists()
+        assert f'"v100box.llm.{path.stem}"' in (plugins / "action" / f"{twin}.py").read_text()
 
 
 @pytest.mark.parametrize(

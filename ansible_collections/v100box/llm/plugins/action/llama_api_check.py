@@ -1,24 +1,22 @@
-"""llama_api_check has two implementations under one name, side by side in plugins/modules: the .py for a POSIX host
-and the .ps1 for a Windows host (one contract, the same result fields).
+"""llama_api_check has two implementations behind one task name: plugins/modules/llama_api_check.py for a POSIX host
+and plugins/modules/win_llama_api_check.ps1 for a Windows host (one contract, the same result fields), so a role
+checks a box with one task whatever its OS.
 
-A PowerShell connection asks Ansible for ``.ps1`` first and gets the Windows module. A POSIX connection asks for a
-module of any extension, and Ansible takes the first file in sort order, which would be the .ps1; so this action asks
-for the ``.py`` by name there. Everything else is Ansible's own module action (check mode, async, the result).
+A POSIX host runs the module of the task's own name, the one file of that name: any strategy finds it, the mitogen
+strategy too (it looks a module up by name alone, with no extension, and would take a .ps1 of the same name). A
+PowerShell host runs the Windows module under its own name. Everything else is Ansible's own module action (check
+mode, async, the result).
 """
 
 from __future__ import annotations
 
 from ansible.plugins.action.normal import ActionModule as ModuleAction
 
+WINDOWS_MODULE = "v100box.llm.win_llama_api_check"
+
 
 class ActionModule(ModuleAction):
-    def _configure_module(self, module_name, module_args, task_vars):
-        connection = self._connection
-        preferences = connection.module_implementation_preferences
-        if ".ps1" in preferences:
-            return super()._configure_module(module_name, module_args, task_vars)
-        connection.module_implementation_preferences = (".py",)
-        try:
-            return super()._configure_module(module_name, module_args, task_vars)
-        finally:
-            connection.module_implementation_preferences = preferences
+    def _execute_module(self, module_name=None, *args, **kwargs):
+        if module_name is None and self._connection._shell.SHELL_FAMILY == "powershell":
+            module_name = WINDOWS_MODULE
+        return super()._execute_module(module_name, *args, **kwargs)

@@ -20,62 +20,7 @@ description:
     they do not fail the module (C(controller certify) judges them).
   - Read-only for the host; chat requests only generate a few tokens (the throughput request
     I(throughput_max_tokens)).
-options:
-  base_url:
-    description: Address of the server, e.g. C(http://127.0.0.1:8001).
-    type: str
-    required: true
-  model:
-    description: Model id the server must answer to (its C(--alias)).
-    type: str
-    required: true
-  api_key:
-    description:
-      - Key sent as a bearer token in C(Authorization) and as C(x-api-key) when the server requires one.
-      - When set, requests without it and with a wrong key must be refused with HTTP 401.
-    type: str
-    default: ""
-  api_key_file:
-    description:
-      - A file on the host whose first line is the key, read when I(api_key) is empty (the server's own key file,
-        so the key never leaves the host).
-    type: str
-    default: ""
-  prompt:
-    description: User message sent through each API.
-    type: str
-    default: Say hello in five words.
-  max_tokens:
-    description: Tokens to ask for.
-    type: int
-    default: 16
-  timeout:
-    description: Seconds to wait for each reply.
-    type: int
-    default: 120
-  chat:
-    description:
-      - Whether to send the chat turns (and the key probes). C(false) checks only C(/health) and C(/v1/models)
-        with the key, which is what C(controller status) asks of every server on every run.
-    type: bool
-    default: true
-  certify:
-    description:
-      - Also check a tool call round trip, streaming on both APIs and the throughput (C(controller certify)).
-      - Needs I(chat).
-    type: bool
-    default: false
-  throughput_max_tokens:
-    description:
-      - Tokens generated for the throughput measurement. The server is asked to ignore end-of-sequence
-        (C(ignore_eos)), so it generates exactly this many where it supports that, at temperature 0, on a fixed
-        prompt of 1,062 characters (about 240 tokens with usual tokenizers) that it may not take from its cache.
-    type: int
-    default: 64
-  throughput_runs:
-    description: Throughput requests made; the numbers returned are their medians.
-    type: int
-    default: 3
+extends_documentation_fragment: [v100box.llm.llama_api_check]  # the options, shared with win_llama_api_check
 author: v100box maintainers (!UNKNOWN)
 """
 
@@ -95,7 +40,7 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
-# plugins/modules/llama_api_check.ps1 (the Windows twin) returns the same fields; a test compares the lists.
+# plugins/modules/win_llama_api_check.ps1 (the Windows twin) returns the same fields; a test compares the lists.
 health:
   description: The C(status) field of C(/health); C(unreachable) when a request got no usable answer.
   type: str
@@ -251,7 +196,7 @@ CERTIFY_TOOL_RESULT = "12:00"
 CERTIFY_TOOL_MAX_TOKENS = 256
 
 # The throughput prompt. Never change it: the catalog's throughput bands were measured with it. About 240 tokens
-# with usual tokenizers; the Windows module (llama_api_check.ps1) sends the same text, and a test compares them.
+# with usual tokenizers; the Windows module (win_llama_api_check.ps1) sends the same text, and a test compares them.
 THROUGHPUT_PROMPT = (
     "Summarise the following maintenance note in one sentence. The workshop keeps four machines for its model "
     "servers. Each machine has two graphics cards joined by a bridge, a processor with sixteen cores, and enough "
