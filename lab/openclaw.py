@@ -18,6 +18,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,10 @@ OPENCLAW_PACKAGE = "openclaw"
 OPENCLAW_VERSION = "2026.9.6"
 NODE_NEEDED = (24, 16)  # OpenClaw 2026.9.x's engines: node >=24.16.0 <25 || >=26.1.0
 TURN_TIMEOUT_S = 600
+# How long OpenClaw may take to exit once it has printed a complete answer. Under the parallel suite (2026-11-26) it
+# printed the whole `--json` envelope of a finished turn ("ok": true, "stopReason=stop" on stderr) and then did not
+# exit for ten minutes, with a "[session-sqlite] slow SQLite reclamation" line as its last; alone it exits at once.
+EXIT_GRACE_S = 60
 
 # Variables of the caller's environment that would point OpenClaw elsewhere (its own state, a gateway, a provider's
 # credentials); openclaw_env drops them so only the config the test writes is in effect.
@@ -102,7 +108,8 @@ def run_turn(entry: dict[str, Any], message: str, work: Path, home: Path, user_c
 
     ``user_config`` is what ``~/.openclaw/openclaw.json`` held before (JSON5); the provider is merged into it as
     ``controller clients`` and the agent_clients role do. Returns ``{"config", "validate", "result", "stdout",
-    "stderr", "returncode"}``; ``result`` is the ``--json`` envelope, or None when stdout is not JSON.
+    "stderr", "returncode", "lingered"}``; ``result`` is the ``--json`` envelope, or None when stdout is not JSON;
+    ``lingered``: OpenClaw printed its envelope but did not exit (``returncode`` None; see EXIT_GRACE_S).
     """
     from ansible_collections.v100box.llm.plugins.plugin_utils.openclaw import merge_openclaw
 
@@ -114,16 +121,51 @@ def run_turn(entry: dict[str, Any], message: str, work: Path, home: Path, user_c
     config.chmod(0o600)
     validate = subprocess.run([str(binary), "config", "validate"], check=False, cwd=work, env=env,
                               capture_output=True, text=True, timeout=120)
-    turn = subprocess.run([str(binary), "agent", "exec", message, "--model", entry["model_ref"], "--json",
-                           "--timeout", str(TURN_TIMEOUT_S)],
-                          check=False, cwd=work, env=env, capture_output=True, text=True, timeout=TURN_TIMEOUT_S + 60)
-    try:
-        result = json.loads(turn.stdout)
-    except ValueError:
-        result = None
+    stdout, stderr, returncode, lingered = _agent_exec(
+        [str(binary), "agent", "exec", message, "--model", entry["model_ref"], "--json", "--timeout",
+         str(TURN_TIMEOUT_S)], work, env)
     return {"config": config.read_text(), "validate": (validate.returncode, validate.stdout + validate.stderr),
-            "result": result, "stdout": turn.stdout[-4000:], "stderr": turn.stderr[-4000:],
-            "returncode": turn.returncode}
+            "result": _envelope(stdout), "stdout": stdout[-4000:], "stderr": stderr[-4000:],
+            "returncode": returncode, "lingered": lingered}
+
+
+def _envelope(stdout: str) -> dict[str, Any] | None:
+    try:
+        result = json.loads(stdout)
+    except ValueError:
+        return None
+    return result if isinstance(result, dict) else None
+
+
+def _agent_exec(argv: list[str], work: Path, env: dict[str, str]) -> tuple[str, str, int | None, bool]:
+    """Run ``openclaw agent exec``: (stdout, stderr, its exit status, whether it lingered). A process still running
+    EXIT_GRACE_S after its stdout became a complete ``--json`` envelope is stopped: it "lingered", and its exit status
+    is None. One that runs past the turn's own timeout with no envelope raises subprocess.TimeoutExpired."""
+    with tempfile.TemporaryDirectory() as folder:
+        out_path, err_path = Path(folder) / "stdout", Path(folder) / "stderr"
+        with out_path.open("w") as out, err_path.open("w") as err:
+            process = subprocess.Popen(argv, cwd=work, env=env, stdout=out, stderr=err, text=True)
+        deadline = time.monotonic() + TURN_TIMEOUT_S + 60
+        answered_at: float | None = None
+        try:
+            while process.poll() is None:
+                now = time.monotonic()
+                if answered_at is None and _envelope(out_path.read_text()) is not None:
+                    answered_at = now
+                if answered_at is not None and now - answered_at > EXIT_GRACE_S:
+                    break
+                if answered_at is None and now > deadline:
+                    raise subprocess.TimeoutExpired(argv, TURN_TIMEOUT_S + 60, out_path.read_text(),
+                                                    err_path.read_text())
+                time.sleep(0.5)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+                lingered = answered_at is not None
+            else:
+                lingered = False
+        return out_path.read_text(), err_path.read_text(), None if lingered else process.returncode, lingered
 
 
 if __name__ == "__main__":

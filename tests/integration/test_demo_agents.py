@@ -102,7 +102,9 @@ def test_openclaw_completes_a_turn_on_the_demo_box(clients, tmp_path):
     merged = json.loads(turn["config"])
     assert merged["update"] == {"checkOnStart": False} and merged["models"]["providers"][entry["provider_id"]]
     result = turn["result"]
-    assert turn["returncode"] == 0 and result is not None, turn["stdout"] + turn["stderr"]
+    # OpenClaw exits 0 after a turn; on a busy machine it has printed a finished turn's envelope and then not exited
+    # (lab/openclaw.py EXIT_GRACE_S): the turn is judged by that envelope, which must be complete and ok.
+    assert (turn["returncode"] == 0 or turn["lingered"]) and result is not None, turn["stdout"] + turn["stderr"]
     assert result["ok"] is True and result["status"] == "ok", result
     assert (result["provider"], result["model"]) == (entry["provider_id"], MODEL)
     assert result["final"] == "Done." and result["assistantTurns"] == 1

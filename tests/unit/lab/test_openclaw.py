@@ -1,8 +1,15 @@
-"""The environment and cache folder the tests give the real OpenClaw, and the Node it runs on."""
+"""The environment and cache folder the tests give the real OpenClaw, the Node it runs on, and how a turn's process is
+waited for (lab.openclaw._agent_exec, with a stand-in script)."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
+import sys
+import time
+
+import pytest
 
 from lab.openclaw import OPENCLAW_VERSION, install_dir, node_home, node_version, openclaw_env
 
@@ -29,3 +36,37 @@ def test_openclaw_env_drops_the_callers_settings_and_uses_a_private_home(tmp_pat
 def test_each_version_has_its_own_cache_folder():
     assert install_dir().name == f"{OPENCLAW_VERSION}-node{node_version()}"
     assert install_dir("2026.9.1") != install_dir()
+
+
+def _fake_openclaw(tmp_path, body: str) -> list[str]:
+    script = tmp_path / "openclaw.py"
+    script.write_text("import json, sys, time\n" + body)
+    return [sys.executable, str(script)]
+
+
+def test_a_turn_that_answers_and_exits_keeps_its_status(tmp_path):
+    from lab.openclaw import _agent_exec
+
+    argv = _fake_openclaw(tmp_path, "print(json.dumps({'ok': True}))\nsys.exit(3)\n")
+    stdout, _, returncode, lingered = _agent_exec(argv, tmp_path, dict(os.environ))
+    assert json.loads(stdout) == {"ok": True} and returncode == 3 and lingered is False
+
+
+def test_an_openclaw_that_answers_and_does_not_exit_is_stopped_as_lingered(tmp_path, monkeypatch):
+    import lab.openclaw as lab_openclaw
+
+    monkeypatch.setattr(lab_openclaw, "EXIT_GRACE_S", 1)
+    argv = _fake_openclaw(tmp_path, "print(json.dumps({'ok': True}), flush=True)\ntime.sleep(300)\n")
+    started = time.monotonic()
+    stdout, _, returncode, lingered = lab_openclaw._agent_exec(argv, tmp_path, dict(os.environ))
+    assert lingered is True and returncode is None and json.loads(stdout) == {"ok": True}
+    assert time.monotonic() - started < 30
+
+
+def test_an_openclaw_that_never_answers_times_out(tmp_path, monkeypatch):
+    import lab.openclaw as lab_openclaw
+
+    monkeypatch.setattr(lab_openclaw, "TURN_TIMEOUT_S", -58)  # a deadline two seconds away
+    argv = _fake_openclaw(tmp_path, "print('{\"ok\":', flush=True)\ntime.sleep(300)\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        lab_openclaw._agent_exec(argv, tmp_path, dict(os.environ))
