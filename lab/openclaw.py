@@ -159,12 +159,10 @@ def _agent_exec(argv: list[str], work: Path, env: dict[str, str]) -> tuple[str, 
                                                     err_path.read_text())
                 time.sleep(0.5)
         finally:
-            if process.poll() is None:
+            lingered = process.poll() is None  # the loop left it running only after its answer (or on an error)
+            if lingered:
                 process.kill()
                 process.wait()
-                lingered = answered_at is not None
-            else:
-                lingered = False
         return out_path.read_text(), err_path.read_text(), None if lingered else process.returncode, lingered
 
 

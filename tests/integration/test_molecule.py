@@ -34,7 +34,7 @@ import pytest
 import yaml
 
 from controller.model import rules
-from lab import aptrepo, haproxy, standin_smi
+from lab import aptrepo, haproxy, mitogen_strategy, standin_smi
 from lab.fileserver import FileServer
 from lab.host import debian_packages
 from lab.site import PACK_NAME, sha256_file
@@ -175,14 +175,6 @@ ON_THE_HOST = ("destroy", "create")
 ON_THE_INSTANCE = ("prepare", "converge", "idempotence", "side-effect", "verify")
 
 
-def mitogen_environment() -> dict[str, str]:
-    """What makes the scenarios' plays run under mitogen (the config reads both; unset, the plain strategy)."""
-    import ansible_mitogen
-
-    return {"V100BOX_STRATEGY_PLUGINS": str(Path(ansible_mitogen.__file__).parent / "plugins" / "strategy"),
-            "V100BOX_STRATEGY": "mitogen_linear"}
-
-
 def _molecule(role: str, scenario: str, port: int, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     env = {**env, "V100BOX_TEST_PORT": str(port), "V100BOX_MOLECULE_ID": f"{role}-{scenario}-{port}"}
     folder = ROOT / "ansible_collections/v100box/llm/roles" / role
@@ -191,10 +183,11 @@ def _molecule(role: str, scenario: str, port: int, env: dict[str, str]) -> subpr
         return subprocess.run(["molecule", name, "--scenario-name", scenario], cwd=folder, env=step_env,
                               capture_output=True, text=True, timeout=900, check=False)
 
+    under_mitogen = {**env, **mitogen_strategy.ansible_environment()}
     done: list[subprocess.CompletedProcess[str]] = []
     try:
         for name in (*ON_THE_HOST, *ON_THE_INSTANCE):
-            done.append(step(name, env if name in ON_THE_HOST else {**env, **mitogen_environment()}))
+            done.append(step(name, env if name in ON_THE_HOST else under_mitogen))
             if done[-1].returncode != 0:
                 break
     finally:
