@@ -84,6 +84,7 @@ TEMPLATE_FILES = COLLECTION / "roles" / "llama_service" / "files" / "chat-templa
 # the bytes come from, which the checksums pin.
 DEFINITION_FIELDS = ("os", "models", "agents", "model_dir", "bind", "allow_from", "base_port", "driver",
                      "gateway", "vars")
+LATER_MODEL_FIELDS = ("gpus", "board", "spill")  # a wanted model's placement (issue 24): absent when unset
 UPDATE_HINT = "run `controller lock --fleet {fleet} --update` to accept it"
 
 
@@ -157,7 +158,12 @@ def _digest(data: Any) -> str:
 
 def definition(box: Box) -> dict[str, Any]:
     """The box's settings that change what is installed, as JSON (what the lock compares)."""
-    return json.loads(json.dumps(box.model_dump(mode="json", include=set(DEFINITION_FIELDS))))
+    data = json.loads(json.dumps(box.model_dump(mode="json", include=set(DEFINITION_FIELDS))))
+    for wanted in data.get("models", []):  # settings added since locks were first written count only when set,
+        for key in LATER_MODEL_FIELDS:     # so an older lock still matches a fleet that does not use them
+            if wanted.get(key) is None:
+                wanted.pop(key, None)
+    return data
 
 
 def fleet_digest(fleet: Fleet) -> str:

@@ -5,6 +5,8 @@ folders, engine packs, model files and driver the roles act on):
 
     controller plan box3 --fleet fleet.yml [--json]
         probe box3 read-only and plan the models its fleet entry wants;
+    controller plan box3 --fleet fleet.yml --profile box3.json [--json]
+        plan box3's fleet entry (pins, agents, drafts, engines, ...) on a saved profile, without connecting;
     controller plan --profile box3.json --model ID [--model ID ...] [--ctx N] [--agents N] [--json]
         plan from a saved ``controller probe --json`` profile, without touching any box.
 
@@ -109,18 +111,22 @@ def _plan_profile(profile_path: Path, models: tuple[str, ...], ctx: int | None, 
     return plan_models(wanted, profile, catalog, base_port=base_port, headers={**headers, **read})
 
 
-def _plan_box(box_name: str, fleet_path: Path, headers: dict[str, str]) -> ServePlan:
+def _plan_box(box_name: str, fleet_path: Path, headers: dict[str, str], profile_path: Path | None = None) -> ServePlan:
     from controller.actions.fleetrun import add_gateway, check_selection
     from controller.inventory import Inventory
     from controller.model.fleet import load_fleet
     from controller.stages.planner import plan_box
-    from controller.stages.probe.collect import probe_box  # the transports pull in fabric and pywinrm
 
     fleet = load_fleet(fleet_path)
     catalog = check_selection(fleet, [box_name])  # unknown model ids fail before any connection
     box = fleet.box(box_name)
     default = Inventory.beside(fleet_path)  # plan takes no --inventory: the default one's host keys and plans
-    profile, _raw, _seconds = probe_box(box, known_hosts=default.known_hosts_file)
+    if profile_path is not None:  # on paper: the saved profile stands for the box, nothing connects
+        profile = _load_profile(profile_path)
+    else:
+        from controller.stages.probe.collect import probe_box  # the transports pull in fabric and pywinrm
+
+        profile, _raw, _seconds = probe_box(box, known_hosts=default.known_hosts_file)
     plan = plan_box(box, profile, catalog, headers=headers)
     add_gateway(fleet, box, plan, default.root)  # over the other boxes' rendered plans
     return plan
@@ -166,7 +172,8 @@ def refuse_unplaced(plan: ServePlan) -> None:
 @click.option("--fleet", "fleet_path", type=click.Path(path_type=Path, dir_okay=False),
               help="Fleet file naming BOX and the models it wants (probes BOX read-only).")
 @click.option("--profile", "profile_path", type=click.Path(path_type=Path, dir_okay=False),
-              help="A saved `controller probe --json` profile to plan for, instead of probing a box.")
+              help="A saved `controller probe --json` profile to plan for, instead of probing a box (with BOX: "
+                   "BOX's fleet entry on that profile).")
 @click.option("--model", "models", multiple=True,
               help="Catalog id (or GGUF path/URL) to serve; repeat for several. With --profile.")
 @click.option("--draft", "drafts", multiple=True,
@@ -185,20 +192,20 @@ def refuse_unplaced(plan: ServePlan) -> None:
 def plan(box: str | None, fleet_path: Path | None, profile_path: Path | None, models: tuple[str, ...],
          drafts: tuple[str, ...], ctx: int | None, agents: int, base_port: int, catalogs: tuple[Path, ...], header_pairs: tuple[str, ...],
          as_json: bool) -> None:
-    """Plan the llama.cpp services for BOX (probed), or for a saved profile and the given models.
+    """Plan the llama.cpp services for BOX (probed, or on a saved --profile), or for a profile and the given models.
 
     The plan is printed whole; when a wanted model does not fit, the command then exits 4, as provision does.
     """
     headers = _headers(header_pairs)
     if box is not None:
-        if profile_path or models or drafts or ctx is not None or agents != 1 or catalogs:
-            raise click.UsageError("with BOX the fleet file says what to serve: drop --profile, --model, --draft, "
-                                   "--ctx, --agents and --catalog, or drop BOX to plan from a profile")
+        if models or drafts or ctx is not None or agents != 1 or catalogs:
+            raise click.UsageError("with BOX the fleet file says what to serve: drop --model, --draft, --ctx, --agents "
+                                   "and --catalog, or drop BOX to plan from a profile")
         if fleet_path is None:
-            raise click.UsageError("planning box BOX needs the fleet file that says how to reach it: add --fleet FILE")
+            raise click.UsageError("planning box BOX needs the fleet file that says what it serves: add --fleet FILE")
     elif profile_path is None or not models:
         raise click.UsageError("give BOX with --fleet FILE, or --profile PROFILE.json with at least one --model ID")
-    result = (_plan_box(box, fleet_path, headers) if box is not None else
+    result = (_plan_box(box, fleet_path, headers, profile_path) if box is not None else
               _plan_profile(profile_path, models, ctx, agents, base_port, catalogs, headers,
                             click.get_current_context().meta.get("drafts")))
     emit(result, as_json)

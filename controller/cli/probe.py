@@ -69,7 +69,8 @@ def _summary(profile: HardwareProfile, console: Console) -> None:
         console.print(f"driver: {driver.version} (CUDA {driver.cuda_version or '?'}{mode})")
     links = ", ".join(f"{i}-{j} NV{n}" for i, j, n in profile.nvlink.pairs) or "none"
     console.print(f"NVLink: {links}")
-    console.print(f"boards: {' '.join('{' + ','.join(map(str, board)) + '}' for board in profile.boards) or 'none'}")
+    boards = " ".join(f"{number}:{{{','.join(map(str, board))}}}" for number, board in enumerate(profile.boards))
+    console.print(f"boards: {boards + ' (a fleet pins a model to one with board: N)' if boards else 'none'}")
     cpu = profile.cpu
     features = ", ".join(name for name, present in (("AVX2", cpu.avx2), ("AVX-512", cpu.avx512)) if present)
     console.print(f"CPU: {cpu.model or '?'} ({cpu.cores or '?'} cores, {cpu.threads or '?'} threads"

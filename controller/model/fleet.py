@@ -142,6 +142,40 @@ class WantedModel(_Strict):
     # Allow this model to span cards of different architectures (a V100 with an RTX 3090), or cards joined
     # only by PCIe, layer split, when no NVLink board of one kind holds it. Off: one kind, one board.
     mix_cards: bool = False
+    # Where it runs, when the operator says so: these cards by nvidia-smi index (all of them), or the Nth NVLink
+    # board as `controller probe` numbers them (its fewest cards that hold the model). The planner places it
+    # there or refuses it with the numbers; it never moves a pinned model elsewhere.
+    gpus: list[Annotated[int, Field(ge=0, le=MAX_GPU_INDEX)]] | None = Field(default=None, min_length=1)
+    board: int | None = Field(default=None, ge=0, le=MAX_GPU_INDEX)
+    # A model no single board holds whole: "host" keeps it inside one board and runs the experts that do not fit
+    # on the CPU (mixture-of-experts models), "boards" splits it by layer across the fewest boards, every token
+    # crossing PCIe between them. Unset: host where one board can hold it so, else boards.
+    spill: Literal["host", "boards"] | None = None
+
+    @field_validator("gpus")
+    @classmethod
+    def _cards_once(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and len(set(value)) != len(value):
+            twice = sorted({index for index in value if value.count(index) > 1})
+            raise ValueError(f"GPU {', '.join(map(str, twice))} is listed twice; name each card once")
+        return value
+
+    @model_validator(mode="after")
+    def _one_pin(self) -> WantedModel:
+        if self.gpus is not None and self.board is not None:
+            raise ValueError("give gpus or board, not both: gpus names the cards, board the NVLink board whose cards "
+                             "it may take")
+        if self.spill == "boards" and self.pinned:
+            raise ValueError("spill: boards lets the planner split the model across boards, but it is pinned "
+                             f"({self.pinned}); drop the pin or the spill")
+        return self
+
+    @property
+    def pinned(self) -> str | None:
+        """The pin as the fleet wrote it (``gpus [4, 5]``, ``board 2``), or None."""
+        if self.gpus is not None:
+            return f"gpus {self.gpus}"
+        return None if self.board is None else f"board {self.board}"
 
     @model_validator(mode="before")
     @classmethod

@@ -100,6 +100,7 @@ class DraftService(_Model):
 class Service(_Model):
     name: str  # systemd unit / Windows service suffix, e.g. "llama-gemma4-26b-a4b-qat-q4_0"
     model: str  # catalog id
+    models: list[str] = Field(default_factory=list)  # every model id the service answers (one for an ordinary service)
     model_file: str  # file name under the model folder
     engine: str  # engine catalog id, e.g. "upstream-02182fc"
     gpus: list[int] = Field(default_factory=list)

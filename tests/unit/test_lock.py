@@ -151,6 +151,18 @@ def test_a_changed_box_definition_is_named(tmp_path):
     assert lines == ['the fleet\'s vars for the box is now {"llama_service_extra": 1}, the lock says {}']
 
 
+def test_a_lock_written_before_models_could_be_pinned_still_matches_and_a_pin_is_named(tmp_path):
+    fleet, path, box, plan = planned(tmp_path)
+    locked = entry_for(box, CPU_PROFILE, plan)
+    assert set(locked.definition["models"][0]) == {"id", "ctx", "agents", "clients", "draft", "engine", "mix_cards"}
+    assert differences(locked, entry_for(box, CPU_PROFILE, plan)) == []
+    pinned_fleet, _path = make_fleet(tmp_path)
+    pinned = pinned_fleet.box("box1").model_copy(deep=True)
+    pinned.models[0].board = 0
+    lines = differences(locked, entry_for(pinned, CPU_PROFILE, plan))
+    assert len(lines) == 1 and lines[0].startswith("the fleet's models for the box is now") and '"board": 0' in lines[0]
+
+
 def test_a_file_without_a_checksum_cannot_be_installed_exactly(tmp_path):
     fleet, path, box, plan = planned(tmp_path)
     entry = entry_for(box, CPU_PROFILE, plan)  # the built-in CPU engine pins no sha256 and no SHA256SUMS was read

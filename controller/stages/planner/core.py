@@ -161,7 +161,7 @@ def _service(index: int, name: str, want: WantedModel, entry: ModelEntry, model:
     memory["cpu"] = round(cpu_mib)
     layers = (model.spec.n_layer_all + 1) if model.spec is not None else 0
     service = Service(
-        name=name, model=entry.id, model_file=entry.file, engine=engine.id, gpus=list(gset.gpus) if gset else [],
+        name=name, model=entry.id, models=[entry.id], model_file=entry.file, engine=engine.id, gpus=list(gset.gpus) if gset else [],
         split_mode=fit.split_mode if gset is not None and gset.size > 1 else "none", ctx=fit.ctx,
         parallel=want.agents, kv_unified=want.agents > 1 or engine.family == "ik", cache_type_k=fit.cache,
         cache_type_v=fit.cache, ubatch=place.ubatch, batch=BATCH, threads=threads,
@@ -205,7 +205,8 @@ def plan_models(wanted: Sequence[WantedModel], profile: HardwareProfile, catalog
     names = _names(entries)
     unknown = ", ".join(f"GPU {g.index}" for g in profile.gpus if g.is_v100 and not g.memory_mib)
     results: dict[int, Service | Unplaced] = {}
-    order = sorted(range(len(wanted)), key=lambda i: (-fitting.weights_mib(models[i]), i))
+    # Pinned models first (their cards are the fleet's word), then the largest first, so big models get the boards.
+    order = sorted(range(len(wanted)), key=lambda i: (not wanted[i].pinned, -fitting.weights_mib(models[i]), i))
     for i in order:
         entry, model, want = entries[i], models[i], wanted[i]
         again = True
@@ -231,7 +232,7 @@ def plan_models(wanted: Sequence[WantedModel], profile: HardwareProfile, catalog
         elif pairs[i] is not None:
             service.reasons.append(pairs[i])
         if place.gpus is not None:
-            pool.take(place.gpus.gpus)
+            pool.take(place.gpus.gpus, entry.id)
         if ctx.ram_free_mib is not None:
             ctx.ram_free_mib -= ram
         results[i] = service

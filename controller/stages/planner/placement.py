@@ -17,7 +17,7 @@ pinned engine version are built in ``controller.stages.planner.commandline``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from controller.errors import CatalogError, PlanError
 from controller.model.catalog import Catalog, EngineEntry, ModelEntry
@@ -90,15 +90,65 @@ def usable(ctx: Context, entry: ModelEntry, want: WantedModel, family: str) -> U
     unless the fleet lets it mix (``mix_cards``)."""
     engines = [e for e in ctx.catalog.engines.values() if e.family == family and not e.cpu_only]
     pinned = ctx.catalog.engines.get(entry.engine)
+    pin = pin_cards(ctx, want)
 
     def check(gpus: tuple[int, ...]) -> bool:
+        if pin is not None and not (set(gpus) == set(pin) if want.gpus is not None else set(gpus) <= set(pin)):
+            return False
         archs = {ctx.pool.gpus[i].arch for i in gpus}
-        if len(archs) > 1 and not want.mix_cards:
+        if len(archs) > 1 and not (want.mix_cards or want.gpus is not None):  # naming the cards mixes them
             return False
         if pinned is not None and not _runs(pinned, archs):
             return False
         return any(_runs(engine, archs) for engine in engines)
     return check
+
+
+# ---------------------------------------------------------------- cards the fleet pins a model to
+
+
+def board_label(ctx: Context, gset: GpuSet) -> str:
+    """``board 2`` (the probe's numbering, as ``board:`` pins take it), or ``its PCIe slot`` for a card on none."""
+    boards = [tuple(board) for board in ctx.profile.boards]
+    for number, board in enumerate(boards):
+        if set(gset.board) <= set(board):
+            return f"board {number}"
+    return "no NVLink board"
+
+
+def pin_cards(ctx: Context, want: WantedModel) -> tuple[int, ...] | None:
+    """The cards a pinned model may use (``gpus``: exactly these; ``board``: that board's), or None."""
+    if want.gpus is not None:
+        return tuple(sorted(want.gpus))
+    if want.board is not None and want.board < len(ctx.profile.boards):
+        return tuple(sorted(ctx.profile.boards[want.board]))
+    return None
+
+
+def pin_problem(ctx: Context, entry: ModelEntry, model: MemoryModel, want: WantedModel) -> str | None:
+    """Why the cards the fleet pins this model to cannot take it whatever its size, or None."""
+    if not want.pinned:
+        return None
+    head = f"{entry.id} ({fitting.weights_mib(model)} MiB weights) is pinned to {want.pinned}"
+    boards = ctx.profile.boards
+    listed = " ".join(f"{number}:{{{','.join(map(str, board))}}}" for number, board in enumerate(boards))
+    if want.board is not None and want.board >= len(boards):
+        where = (f"this box has {len(boards)} board{'s' if len(boards) != 1 else ''} (cards joined by NVLink; a card "
+                 f"on none is a board of its own), numbered as `controller probe` lists them ({listed})" if boards else
+                 "the probe saw no board on this box; pin it to cards with gpus: [...]")
+        return f"{head}, but {where}; fix board in the fleet file"
+    cards = pin_cards(ctx, want) or ()
+    missing = [i for i in cards if i not in ctx.pool.gpus]
+    if missing:
+        known = ",".join(map(str, sorted(ctx.pool.gpus))) or "none"
+        return (f"{head}, but this box has no GPU {','.join(map(str, missing))} whose memory the probe read (its "
+                f"cards: {known}); fix gpus in the fleet file")
+    taken = [i for i in cards if i in ctx.pool.taken]
+    if want.gpus is not None and taken or taken and len(taken) == len(cards):
+        owners = "; ".join(f"GPU {i} to {ctx.pool.owners.get(i) or 'another model'}" for i in taken)
+        return (f"{head}, but those cards are already given ({owners}); each card serves one model: pin the models "
+                f"to different cards")
+    return None
 
 
 def pinned_engine_problem(entry: ModelEntry, catalog: Catalog, profile: HardwareProfile) -> str | None:
@@ -167,6 +217,7 @@ class Context:
     catalog: Catalog
     pool: GpuPool
     ram_free_mib: float | None
+    spill_alternatives: dict[int, str] = field(default_factory=dict)  # idle card -> model that spill: boards would use
 
     @property
     def cores(self) -> int | None:
@@ -278,8 +329,12 @@ def _resident(entry: ModelEntry, model: MemoryModel, want: WantedModel,
     # One NVLink board of one kind of card first; a model allowed to mix cards may then span boards and kinds.
     stages = [(size, False) for size in range(1, ctx.pool.max_board + 1)]
     stages += [(size, True) for size in range(2, len(ctx.pool.free) + 1)] if want.mix_cards else []
+    exact = ctx.pool.exact(tuple(sorted(want.gpus))) if want.gpus is not None else None
+    if exact is not None:  # the fleet names the cards: that one set, however they are joined
+        stages = [(exact.size, exact.spans)]
     for (size, spans), ubatch in ((stage, ubatch) for stage in stages for ubatch in RESIDENT_UBATCHES):
-        split = "none" if size == 1 else "layer" if entry.moe or spans else "tensor"
+        dense_split = "tensor" if exact is None or not size & (size - 1) else "layer"  # tensor: 2, 4, 8 cards
+        split = "none" if size == 1 else "layer" if entry.moe or spans else dense_split
         first = "upstream" if entry.sliding_window or split == "tensor" else preferred
         # Cards no build of the preferred family runs on (an RTX 3090 beside sm_70-only ik packs) may still
         # hold the model with upstream's build for them, unless the model pins its engine.
@@ -290,8 +345,11 @@ def _resident(entry: ModelEntry, model: MemoryModel, want: WantedModel,
                 preferred_ok = usable(ctx, entry, want, first)
                 ok = (lambda check, other: lambda gpus: check(gpus) and not other(gpus))(ok, preferred_ok)
             req = _request(entry, model, want, "ik" if family == "ik" else "upstream", ubatch=ubatch)
-            sets = (ctx.pool.spanning(size, ok) if spans else
-                    ctx.pool.candidates(size, powers_of_two=split == "tensor", usable=ok))
+            if exact is not None:
+                sets = [exact] if ok(exact.gpus) else []
+            else:
+                sets = (ctx.pool.spanning(size, ok) if spans else
+                        ctx.pool.candidates(size, powers_of_two=split == "tensor", usable=ok))
             best, last_miss = _best_fit(model, req, sets, split, last_miss)
             if best is not None:
                 gset, fit = best
@@ -300,31 +358,82 @@ def _resident(entry: ModelEntry, model: MemoryModel, want: WantedModel,
                 engine = _engine(ctx.catalog, family, nccl=nccl, preferred=entry.engine, archs=archs)
                 reasons = [_engine_reason(entry, engine, split=split, instead_of=first if family != first else None),
                            _cards_reason(ctx, gset, engine), *_placement_reasons(entry, gset, fit, split, engine, ctx,
-                                                                                 req),
+                                                                                 req, want=want),
                            fitting.margin_reason(fit, gset.gpus), fitting.host_reason(fit)]
                 return Placement(gset, fit, engine, False, reasons, req.ubatch)
     return last_miss
 
 
-def _offload(entry: ModelEntry, model: MemoryModel, want: WantedModel, ctx: Context,
-             resident_miss: tuple[GpuSet, Miss] | None) -> Placement | Miss | str:
-    """Experts to host RAM on the free board with the most memory; a reason string when impossible."""
+def _offload(entry: ModelEntry, model: MemoryModel, want: WantedModel,
+             ctx: Context) -> Placement | tuple[GpuSet, Miss] | str:
+    """Experts to host RAM on the free board with the most memory; a reason string when impossible.
+
+    Offload runs on ik_llama.cpp (``--fit``), or upstream (``--n-cpu-moe``) for sliding-window models; a model
+    whose engine is not pinned also tries upstream's builds, and takes whichever runs on the board with more
+    memory (an RTX 3090 beside V100s ik has the only build for). A pinned model offloads on its own cards."""
     if not isinstance(model, SpecMemory) or not model.spec.n_expert:
         return (f"expert offload needs the model's shape (which tensors are experts); {entry.id} has none in the "
                 f"catalog: add arch/hparams or plan it from its GGUF header")
-    family = "upstream" if entry.sliding_window else "ik"
-    gset = ctx.pool.largest_free_board(usable(ctx, entry, want, family))
-    if gset is None:
-        return "no free NVLink board is left for it"
+    first = "upstream" if entry.sliding_window else "ik"
+    families = [first] + (["upstream"] if first != "upstream" and entry.engine not in ctx.catalog.engines else [])
+    options: list[tuple[str, GpuSet]] = []
+    for family in families:
+        ok = usable(ctx, entry, want, family)
+        if want.gpus is not None:
+            exact = ctx.pool.exact(tuple(sorted(want.gpus)))
+            gset = exact if ok(exact.gpus) else None
+        else:
+            gset = ctx.pool.largest_free_board(ok)
+        if gset is not None:
+            options.append((family, gset))
+    if not options:
+        return "no free NVLink board is left for it" if not want.pinned else "no engine build runs on those cards"
+    family, gset = max(options, key=lambda option: (option[1].total_mib, option[0] == first))
+    others = [other for other in options if other[0] != family]
     req = _request(entry, model, want, "ik" if family == "ik" else "upstream", offload=True)
     result = fitting.fit_offload(model, req, gset)
     if isinstance(result, Miss):
-        return result
+        return gset, result
     engine = _engine(ctx.catalog, family, preferred=entry.engine, archs={ctx.pool.gpus[i].arch for i in gset.gpus})
-    reasons = [_engine_reason(entry, engine, offload=True), _cards_reason(ctx, gset, engine),
-               *_offload_reasons(entry, gset, result, engine, req, resident_miss),
+    resident_req = _request(entry, model, want, "ik" if family == "ik" else "upstream", ubatch=RESIDENT_UBATCHES[-1])
+    whole = fitting.fit_resident(model, resident_req, gset, "none" if gset.size == 1 else "layer")
+    reasons = [_engine_reason(entry, engine, offload=True, instead_of=first if family != first else None),
+               _cards_reason(ctx, gset, engine), *([_pin_reason(want, gset)] if want.pinned else []),
+               *_offload_reasons(entry, gset, result, engine, req, whole if isinstance(whole, Miss) else None,
+                                 others[0][1] if others else None, ctx),
                fitting.margin_reason(result, gset.gpus), fitting.host_reason(result)]
     return Placement(gset, result, engine, True, reasons, req.ubatch)
+
+
+def _across_boards(entry: ModelEntry, model: MemoryModel, want: WantedModel,
+                   ctx: Context) -> Placement | tuple[GpuSet, Miss] | None:
+    """The fewest free boards that hold the whole model together, split by layer (``spill: boards``).
+
+    Cards of one kind unless the fleet lets the model mix them; each board's cards keep their NVLink and the
+    boards are joined by PCIe, so only each layer boundary's activations cross between them."""
+    if want.pinned:
+        return None
+    last_miss: tuple[GpuSet, Miss] | None = None
+    preferred = _family(entry, ctx.catalog)
+    first = "upstream" if entry.sliding_window else preferred
+    families = [first] + (["upstream"] if first != "upstream" and entry.engine not in ctx.catalog.engines else [])
+    for count, ubatch in ((n, u) for n in range(2, ctx.pool.board_count + 1) for u in RESIDENT_UBATCHES):
+        for family in families:
+            ok = usable(ctx, entry, want, family)
+            req = _request(entry, model, want, "ik" if family == "ik" else "upstream", ubatch=ubatch)
+            best, last_miss = _best_fit(model, req, ctx.pool.board_unions(count, ok), "layer", last_miss)
+            if best is None:
+                continue
+            gset, fit = best
+            engine = _engine(ctx.catalog, family, preferred=entry.engine,
+                             archs={ctx.pool.gpus[i].arch for i in gset.gpus})
+            reasons = [_engine_reason(entry, engine, split="layer", instead_of=first if family != first else None),
+                       _cards_reason(ctx, gset, engine),
+                       *_placement_reasons(entry, gset, fit, "layer", engine, ctx, req, want=want, boards=count,
+                                           model=model),
+                       fitting.margin_reason(fit, gset.gpus), fitting.host_reason(fit)]
+            return Placement(gset, fit, engine, False, reasons, req.ubatch)
+    return last_miss
 
 
 # ---------------------------------------------------------------- reasons
@@ -347,17 +456,69 @@ def _ctx_reason(fit: Fit, req: Request) -> str:
             f"that reaches it, {fit.cache} (largest context per cache type: {options})")
 
 
+def _pin_reason(want: WantedModel, gset: GpuSet) -> str:
+    if want.gpus is not None:
+        return f"pinned by the fleet to {want.pinned}: these cards and no others"
+    return (f"pinned by the fleet to {want.pinned}: the fewest cards of that board that hold it "
+            f"({gset.size} of them); never another board")
+
+
+def _boards_reasons(entry: ModelEntry, model: MemoryModel | None, gset: GpuSet, per_card: str, req: Request,
+                    boards: int, want: WantedModel, ctx: Context) -> list[str]:
+    """Why a model is split across boards, and what that costs."""
+    spec = model.spec if model is not None else None
+    hop = (f"{spec.n_embd} values (~{spec.n_embd * 4 // 1024} KiB) per token" if spec is not None and spec.n_embd
+           else "one token's activations")
+    if want.spill == "boards":
+        why = "the fleet asks for it (spill: boards) rather than experts in host RAM"
+    elif entry.moe:
+        why = "no single board holds it even with its experts in host RAM"
+    else:
+        why = "a dense model cannot spill experts to host RAM"
+    needed = req.min_ctx if not req.explicit else req.target_ctx
+    singles = all(len(ctx.pool.board_of(i)) == 1 for i in gset.gpus)
+    where = (f"across {gset.size} cards that share no NVLink" if singles else
+             f"across the fewest boards, {boards}, {gset.size} cards")
+    links = ("the cards share no NVLink, so" if singles else "each board keeps its own NVLink, but")
+    instead = ("; spill: host in the fleet keeps it on one board with its experts in host RAM instead"
+               if entry.moe and want.spill == "boards" else "")
+    return [
+        f"no single free board holds {entry.id} whole at {needed} tokens of context and {why}, so it is split by "
+        f"layer {where}: {per_card} MiB estimated",
+        f"cross-board cost: {links} at every boundary between them the activations, {hop}, cross PCIe (and NUMA), "
+        f"and prompt processing moves {req.ubatch} tokens' worth at a time; a model inside one board is faster (the "
+        f"kit keeps every model inside one board){instead}",
+        "layer split (-sm layer): each card holds whole layers, so only the activations cross between cards; "
+        "never tensor split across boards",
+    ]
+
+
 def _placement_reasons(entry: ModelEntry, gset: GpuSet, fit: Fit, split: str, engine: EngineEntry, ctx: Context,
-                       req: Request) -> list[str]:
+                       req: Request, *, want: WantedModel | None = None, boards: int = 0,
+                       model: MemoryModel | None = None) -> list[str]:
     per_card = ", ".join(f"GPU {g}: {mib(v)} of {m}" for g, v, m in zip(gset.gpus, fit.device_mib, gset.memory_mib))
     reasons = []
-    if gset.size == 1:
+    if want is not None and want.pinned:
+        reasons.append(_pin_reason(want, gset))
+    if boards and want is not None:
+        reasons += _boards_reasons(entry, model, gset, per_card, req, boards, want, ctx)
+    elif gset.size == 1:
         reasons.append(
             f"fits one card, {gset.describe()}: {per_card} MiB estimated (weights, KV, compute, CUDA context) with "
             f"{fitting.RESIDENT_MARGIN_MIB} MiB kept free; a model that fits one card is fastest there "
             f"(Gemma 4: 99 tok/s on one card, 90 layer-split, 76 tensor-split on two)")
         if len(gset.board) > 1:
-            reasons.append(f"one card of board {list(gset.board)}; the rest stay free for other models")
+            reasons.append(f"one card of {board_label(ctx, gset)} ({len(gset.board)} cards); the rest stay free for "
+                           f"other models")
+    elif gset.spans and want is not None and want.gpus is not None:
+        reasons.append(f"split across the {gset.size} cards it is pinned to, which are not one NVLink board: "
+                       f"{gset.describe()}: {per_card} MiB estimated; each token crosses PCIe between them, slower "
+                       f"than one board")
+        reasons.append("layer split (-sm layer): each card holds whole layers, so only the activations cross PCIe at "
+                       "each boundary; never tensor split across boards")
+    elif want is not None and want.gpus is not None:
+        reasons.append(f"split across the {gset.size} cards it is pinned to, inside one NVLink board, "
+                       f"{gset.describe()}: {per_card} MiB estimated")
     elif gset.spans:
         reasons.append(
             f"no free NVLink board of one kind of card holds it at {req.min_ctx if not req.explicit else req.target_ctx} "
@@ -370,8 +531,9 @@ def _placement_reasons(entry: ModelEntry, gset: GpuSet, fit: Fit, split: str, en
             f"does not fit one card at {req.min_ctx if not req.explicit else req.target_ctx} tokens of context; "
             f"{gset.size} cards inside one NVLink board, {gset.describe()}: {per_card} MiB estimated; never across "
             f"boards, where every step would cross PCIe/NUMA")
-        reasons.append(f"the fattest links free for {gset.size} cards: NVLink x{gset.min_links} per pair "
-                       f"(board {list(gset.board)})")
+        if want is None or want.gpus is None:
+            reasons.append(f"the fattest links free for {gset.size} cards: NVLink x{gset.min_links} per pair "
+                           f"({board_label(ctx, gset)})")
     if gset.size > 1:
         if split == "layer" and not gset.spans:
             reasons.append("layer split (-sm layer): an MoE model keeps each layer's experts on one card "
@@ -400,27 +562,33 @@ def _placement_reasons(entry: ModelEntry, gset: GpuSet, fit: Fit, split: str, en
     return reasons
 
 
-def _offload_reasons(entry: ModelEntry, gset: GpuSet, fit: Fit, engine: EngineEntry, req: Request,
-                     resident_miss: tuple[GpuSet, Miss] | None) -> list[str]:
+def _offload_reasons(entry: ModelEntry, gset: GpuSet, fit: Fit, engine: EngineEntry, req: Request, whole: Miss | None,
+                     other: GpuSet | None, ctx: Context) -> list[str]:
+    """Why the experts spill, on the cards the service takes: ``whole`` is the miss of the whole model on them,
+    ``other`` the board the other engine family would have offloaded on (smaller)."""
     n_layers = fit.cpu_moe_layers
-    best = ""
-    if resident_miss is not None:
-        where, miss = resident_miss
-        best = (f" (the largest, {where.describe()}, needs {', '.join(mib(v) for v in miss.need_mib)} at {miss.ctx} "
-                f"tokens; it would hold {miss.largest_ctx} tokens at most)")
+    needs = ""
+    if whole is not None:
+        needs = (f" (whole on these cards it would need {', '.join(mib(v) for v in whole.need_mib)} at {whole.ctx} "
+                 f"tokens; they would hold {whole.largest_ctx} tokens at most)")
     required = req.target_ctx if req.explicit else req.min_ctx
     reasons = [
-        f"no free board holds {entry.id} entirely with {required} tokens of context{best}; it is a "
-        f"mixture-of-experts model, so its experts spill to host RAM: {gset.describe()} keeps the attention, shared "
-        f"weights and KV, and the experts of ~{n_layers} of {fit.moe_layers} layers "
-        f"({mib(fit.device_mib[-1])} of host RAM in all) run on the CPU",
+        f"no free board holds {entry.id} entirely with {required} tokens of context; {gset.describe()}{needs} keeps "
+        f"the attention, shared weights and KV, and as a mixture-of-experts model its experts spill to host RAM: "
+        f"those of ~{n_layers} of {fit.moe_layers} layers ({mib(fit.device_mib[-1])} of host RAM in all) run on "
+        f"the CPU",
     ]
     if engine.family == "ik":
         reasons.append(f"ik_llama.cpp with --fit --fit-margin {fit.fit_margin}: the engine sizes the offload itself and "
                        f"keeps {fit.fit_margin} MiB free per card (the kit's margin; 2048 above 131072 tokens); its "
                        f"CPU kernels for the offloaded experts are faster than upstream's")
-    else:
+    elif entry.sliding_window:
         reasons.append(f"--n-cpu-moe {n_layers} on upstream llama.cpp: the sliding-window cache rules out ik_llama.cpp")
+    else:
+        why = (f"these cards ({gset.total_mib} MiB) keep more of the model on the GPU than the largest free board an "
+               f"ik_llama.cpp build runs on ({other.total_mib} MiB), which outweighs ik's faster CPU expert kernels"
+               if other is not None else "no ik_llama.cpp build of the engine catalog runs on these cards")
+        reasons.append(f"--n-cpu-moe {n_layers} on upstream llama.cpp: {why}")
     reasons.append(_ctx_reason(fit, req))
     reasons.append("cache q8_0 or smaller with offload: every MiB of KV on the card pushes more experts to the CPU "
                    "and slows every turn")
@@ -481,7 +649,7 @@ def _runnable(ctx: Context, entry: ModelEntry, cards: Iterable[int]) -> list[int
 def _mix_hint(ctx: Context, entry: ModelEntry, want: WantedModel) -> str:
     """What mix_cards would allow, when the free cards this model could run on lie on several boards or kinds."""
     free = _runnable(ctx, entry, ctx.pool.free)
-    if want.mix_cards or len(free) < 2:
+    if want.mix_cards or want.pinned or len(free) < 2:
         return ""
     kinds = {ctx.pool.gpus[i].arch for i in free}
     boards = {ctx.pool.board_of(i) for i in free}
@@ -491,42 +659,103 @@ def _mix_hint(ctx: Context, entry: ModelEntry, want: WantedModel) -> str:
             f"{_kinds(ctx, free)} (layer split over PCIe{', with a pack built for each kind' if len(kinds) > 1 else ''})")
 
 
+def _host_ram_problem(entry: ModelEntry, model: MemoryModel, place: Placement, ctx: Context) -> str | None:
+    need = place.fit.device_mib[-1] + HOST_RESERVE_MIB  # the pinned CUDA_Host buffers, or the offloaded experts
+    if ctx.ram_free_mib is None or need <= ctx.ram_free_mib:
+        return None
+    if place.offload:
+        return (f"{entry.id} ({fitting.weights_mib(model)} MiB weights) does not fit any free board, and offloading "
+                f"its experts needs {mib(place.fit.device_mib[-1])} of host RAM plus {HOST_RESERVE_MIB} MiB "
+                f"for the system, but only {mib(ctx.ram_free_mib)} is free; add RAM or a board with "
+                f"{fitting.weights_mib(model)} MiB of GPU memory")
+    return (f"{entry.id} ({fitting.weights_mib(model)} MiB weights) fits the cards but needs "
+            f"{mib(place.fit.device_mib[-1])} of host RAM beside them (token embeddings and page-locked "
+            f"buffers) plus {HOST_RESERVE_MIB} MiB for the system, and only {mib(ctx.ram_free_mib)} is free")
+
+
+def _pinned_refusal(want: WantedModel) -> str:
+    return (f"; it is pinned to {want.pinned} and is never placed elsewhere: pin it to cards with more memory, ask for "
+            f"less context, or drop the pin")
+
+
 def place_gpu(entry: ModelEntry, model: MemoryModel, want: WantedModel, ctx: Context) -> Placement | str:
-    if not _runnable(ctx, entry, ctx.pool.gpus):
+    """Resident on the fewest cards of one board; else, as ``spill`` says, experts in host RAM inside one board
+    (``host``) or the whole model across the fewest boards (``boards``); unset: host when the model can, else
+    boards. A pinned model only ever takes its own cards."""
+    if problem := pin_problem(ctx, entry, model, want):
+        return problem
+    pin = pin_cards(ctx, want)
+    cards = [i for i in ctx.pool.gpus if pin is None or i in pin]
+    if not _runnable(ctx, entry, cards):
         families = " or ".join(sorted({_FAMILY_NAMES.get(f, f) for f in (_family(entry, ctx.catalog), "upstream")}))
+        where = "this box's cards" if pin is None else f"the cards it is pinned to ({want.pinned})"
         return (f"{entry.id} ({fitting.weights_mib(model)} MiB weights): no build of {families} in the engine catalog "
-                f"runs on this box's cards ({_kinds(ctx, ctx.pool.gpus)}); declare a pack whose cuda_archs include "
-                f"theirs")
-    if not _runnable(ctx, entry, ctx.pool.free):
+                f"runs on {where} ({_kinds(ctx, cards)}); declare a pack whose cuda_archs include theirs")
+    if not _runnable(ctx, entry, [i for i in cards if i not in ctx.pool.taken]):
         return (f"{entry.id} ({fitting.weights_mib(model)} MiB weights): every card its engine builds run on is "
-                f"already given to a larger model planned first; list fewer models or add cards")
+                f"already given to a larger model planned first; list fewer models or add cards"
+                + ("" if pin is None else _pinned_refusal(want)))
     resident = _resident(entry, model, want, ctx)
     if isinstance(resident, Placement):
-        host_need = resident.fit.device_mib[-1] + HOST_RESERVE_MIB  # the pinned CUDA_Host buffers included
-        if ctx.ram_free_mib is not None and host_need > ctx.ram_free_mib:
-            return (f"{entry.id} ({fitting.weights_mib(model)} MiB weights) fits the cards but needs "
-                    f"{mib(resident.fit.device_mib[-1])} of host RAM beside them (token embeddings and page-locked "
-                    f"buffers) plus {HOST_RESERVE_MIB} MiB for the system, and only {mib(ctx.ram_free_mib)} is free")
-        return resident
+        return _host_ram_problem(entry, model, resident, ctx) or resident
     gset, miss = resident if resident else (None, None)
-    if not entry.moe:
-        why = ("a dense model is split by tensor across the cards of one board at most; expert offload only helps "
+    pinned = _pinned_refusal(want) if want.pinned else ""
+    boards: Placement | tuple[GpuSet, Miss] | None = None
+    if want.spill == "boards":
+        boards = _across_boards(entry, model, want, ctx)
+        if isinstance(boards, Placement):
+            return _host_ram_problem(entry, model, boards, ctx) or boards
+        where, missed = boards if boards else (gset, miss)
+        return _refusal(entry, model, missed, where, "spill: boards: not even the fewest free boards together hold "
+                        "it" + ("; spill: host would keep it on one board with its experts in host RAM"
+                                if entry.moe else "")) + _mix_hint(ctx, entry, want)
+    offload = (_offload(entry, model, want, ctx) if entry.moe else
+               "a dense model is split by tensor across the cards of one board at most; expert offload only helps "
                "mixture-of-experts models")
-        return _refusal(entry, model, miss, gset, why) + _mix_hint(ctx, entry, want)
-    offload = _offload(entry, model, want, ctx, resident or None)
     if isinstance(offload, Placement):
-        ram_need = offload.fit.device_mib[-1] + HOST_RESERVE_MIB
-        if ctx.ram_free_mib is not None and ram_need > ctx.ram_free_mib:
-            return (f"{entry.id} ({fitting.weights_mib(model)} MiB weights) does not fit any free board, and offloading "
-                    f"its experts needs {mib(offload.fit.device_mib[-1])} of host RAM plus {HOST_RESERVE_MIB} MiB "
-                    f"for the system, but only {mib(ctx.ram_free_mib)} is free; add RAM or a board with "
-                    f"{fitting.weights_mib(model)} MiB of GPU memory")
+        if problem := _host_ram_problem(entry, model, offload, ctx):
+            return problem
+        if not want.pinned:
+            alternative = _across_boards(entry, model, want, ctx)
+            if isinstance(alternative, Placement):
+                offload.reasons.insert(3, _boards_alternative(entry, want, alternative, ctx))
+                for index in alternative.gpus.gpus if alternative.gpus else ():
+                    if index not in offload.gpus.gpus:
+                        ctx.spill_alternatives[index] = entry.id
         return offload
-    if isinstance(offload, Miss):
+    if not want.pinned:
+        boards = _across_boards(entry, model, want, ctx)
+        if isinstance(boards, Placement) and want.spill is None:
+            return _host_ram_problem(entry, model, boards, ctx) or boards
+    if isinstance(offload, tuple):
+        where, missed = offload
         why = "the rest of the model does not fit the cards even with every expert in host RAM"
-        where = ctx.pool.largest_free_board(usable(ctx, entry, want, "upstream" if entry.sliding_window else "ik"))
-        return _refusal(entry, model, offload, where, why) + _mix_hint(ctx, entry, want)
-    return _refusal(entry, model, miss, gset, offload) + _mix_hint(ctx, entry, want)
+        return _refusal(entry, model, missed, where, why) + pinned + _boards_note(boards) + _mix_hint(ctx, entry, want)
+    return _refusal(entry, model, miss, gset, offload) + pinned + _boards_note(boards) + _mix_hint(ctx, entry, want)
+
+
+def _boards_alternative(entry: ModelEntry, want: WantedModel, alternative: Placement, ctx: Context) -> str:
+    """What ``spill: boards`` would do instead of host RAM, without naming cards the plan leaves idle."""
+    gset, fit = alternative.gpus, alternative.fit
+    count = len({ctx.pool.board_of(i) for i in gset.gpus}) if gset else 0
+    chose = ("as the fleet asks (spill: host)" if want.spill == "host" else
+             "the default while one board can hold it so; the fleet chooses with spill: host or spill: boards")
+    return (f"experts in host RAM inside one board rather than the whole model across boards, {chose}: spill: boards would hold "
+            f"{entry.id} whole on {count} boards together ({gset.size if gset else 0} cards, {gset.total_mib if gset else 0} "
+            f"MiB) at {fit.ctx} tokens, with every token crossing PCIe between the boards and those boards taken from "
+            f"the other models")
+
+
+def _boards_note(boards: Placement | tuple[GpuSet, Miss] | None) -> str:
+    if isinstance(boards, Placement) and boards.gpus is not None:
+        return (f"; spill: boards (the fleet asks for spill: host) would hold it whole across boards, "
+                f"{boards.gpus.size} cards ({boards.gpus.total_mib} MiB) at {boards.fit.ctx} tokens, every token "
+                f"crossing PCIe between them")
+    if isinstance(boards, tuple):
+        where, miss = boards
+        return (f"; nor do the fewest free boards together ({where.size} cards, {where.total_mib} MiB): they would "
+                f"need {sum(miss.need_mib):.0f} MiB at {miss.ctx} tokens")
+    return ""
 
 
 def place_cpu(entry: ModelEntry, model: MemoryModel, want: WantedModel, ctx: Context) -> Placement | str:
@@ -567,6 +796,9 @@ def idle_cards(ctx: Context) -> list[tuple[Gpu, str]]:
         elif not any(_runs(engine, [gpu.arch]) for engine in engines):
             why = (f"no engine pack of the catalog is built for {arch_label(gpu.arch)} (the GPU packs are built for "
                    f"{built}); declare one whose cuda_archs include {gpu.arch} in a catalog file")
+        elif gpu.index in ctx.spill_alternatives:
+            why = (f"free: {ctx.spill_alternatives[gpu.index]} keeps its experts in host RAM inside one board; "
+                   f"spill: boards on it would use this card")
         else:
             why = "free: no wanted model was placed on it"
         out.append((gpu, why))

@@ -57,6 +57,7 @@ class GpuPool:
         self.links: dict[frozenset[int], int] = {frozenset((i, j)): n for i, j, n in profile.nvlink.pairs}
         self.boards: list[tuple[int, ...]] = self._boards(profile)
         self.taken: set[int] = set()
+        self.owners: dict[int, str] = {}  # card -> the model it was given to
         names = {gpu.name for gpu in profile.gpus}
         self.mixed = len(names) > 1  # CUDA's default device order may then differ from nvidia-smi's
 
@@ -77,11 +78,12 @@ class GpuPool:
     def board_of(self, index: int) -> tuple[int, ...]:
         return next(board for board in self.boards if index in board)
 
-    def take(self, gpus: tuple[int, ...]) -> None:
+    def take(self, gpus: tuple[int, ...], owner: str = "") -> None:
         overlap = self.taken.intersection(gpus)
         if overlap:
             raise ValueError(f"GPUs {sorted(overlap)} are already given to another service")
         self.taken.update(gpus)
+        self.owners.update(dict.fromkeys(gpus, owner))
 
     def _set(self, gpus: tuple[int, ...], board: tuple[int, ...]) -> GpuSet:
         pairs = [self.links.get(frozenset(pair), 0) for pair in combinations(gpus, 2)]
@@ -138,6 +140,37 @@ class GpuPool:
                 out.append(GpuSet(gpus, tuple(self.gpus[i].memory_mib or 0 for i in gpus), gpus, min(pairs, default=0),
                                   sum(pairs), spans=True))
         return sorted(out, key=lambda s: (len({self.gpus[i].arch for i in s.gpus}), s.total_mib, s.gpus))
+
+    def exact(self, gpus: tuple[int, ...]) -> GpuSet:
+        """These cards as one set (a pinned model's): inside one board when they are, else across boards."""
+        board = next((b for b in self.boards if set(gpus) <= set(b)), None)
+        if board is not None and (len(gpus) == 1 or self._connected(gpus)):
+            return self._set(gpus, board)
+        pairs = [self.links.get(frozenset(pair), 0) for pair in combinations(gpus, 2)]
+        return GpuSet(gpus, tuple(self.gpus[i].memory_mib or 0 for i in gpus), gpus, min(pairs, default=0),
+                      sum(pairs), spans=True)
+
+    def board_unions(self, count: int, usable: Usable) -> list[GpuSet]:
+        """The free parts of ``count`` boards together, for a model no single board holds: each board's free
+        cards joined by NVLink, the boards joined by PCIe. Least memory first (the best fit), then fewer cards."""
+        parts = []
+        for board in self.boards:
+            free = tuple(i for i in board if i not in self.taken)
+            if free and (len(free) == 1 or self._connected(free)):
+                parts.append(free)
+        out = []
+        for chosen in combinations(parts, count):
+            gpus = tuple(sorted(i for part in chosen for i in part))
+            if usable(gpus):
+                pairs = [self.links.get(frozenset(pair), 0) for pair in combinations(gpus, 2)]
+                out.append(GpuSet(gpus, tuple(self.gpus[i].memory_mib or 0 for i in gpus), gpus,
+                                  min(pairs, default=0), sum(pairs), spans=True))
+        return sorted(out, key=lambda s: (s.total_mib, s.size, s.gpus))
+
+    @property
+    def board_count(self) -> int:
+        """Boards with a free card."""
+        return sum(1 for board in self.boards if any(i not in self.taken for i in board))
 
     def largest_free_board(self, usable: Usable | None = None) -> GpuSet | None:
         """The free part of a board with the most memory (for expert offload), fewer cards on a tie."""

@@ -29,10 +29,11 @@ def catalog() -> Catalog:
     return load_catalog()
 
 
-def plan(machine: str | HardwareProfile, *models: str, ctx: int | None = None, agents: int = 1,
+def plan(machine: str | HardwareProfile, *models: str | WantedModel, ctx: int | None = None, agents: int = 1,
          cat: Catalog | None = None) -> ServePlan:
     hardware = profile(machine) if isinstance(machine, str) else machine
-    wanted = [WantedModel(id=model, ctx=ctx, agents=agents) for model in models]
+    wanted = [model if isinstance(model, WantedModel) else WantedModel(id=model, ctx=ctx, agents=agents)
+              for model in models]
     return plan_models(wanted, hardware, cat or catalog())
 
 

@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from controller.model.catalog import load_catalog
+from controller.model.fleet import WantedModel
 from controller.model.profile import Cpu, Gpu, HardwareProfile, NvLink, OsInfo
 from controller.stages.planner.fit import FIT_MARGIN_MIB, RESIDENT_MARGIN_MIB
 from tests.unit.planner.helpers import CPU_ONLY, DUAL, SINGLE, TWELVE, catalog, flag, only, plan, profile, said
@@ -196,10 +197,18 @@ def test_122b_that_no_board_holds_with_enough_context_offloads_experts_inside_on
 # ---------------------------------------------------------------- placement across boards and links
 
 
-def test_never_across_boards_even_when_the_box_has_the_memory():
+def test_across_boards_only_when_no_board_holds_it_and_the_plan_says_the_cost():
     pairs = _v100s(16384, 16384, 16384, 16384, boards=[[0, 1], [2, 3]], links=[(0, 1, 2), (2, 3, 2)])
-    result = plan(pairs, REVIEWER)  # 31 GiB dense: more than one pair holds, less than all four cards
-    assert not result.fits and "GPUs 0,1" in result.unplaced[0].reason
+    # 31 GiB dense: more than one pair holds, less than all four cards; a dense model cannot spill to host RAM
+    spanned = only(plan(pairs, REVIEWER))
+    assert spanned.gpus == [0, 1, 2, 3] and spanned.split_mode == "layer" and not spanned.cpu_offload
+    assert said(spanned, "no single free board holds", "a dense model cannot spill experts to host RAM",
+                "across the fewest boards, 2, 4 cards")
+    assert said(spanned, "cross-board cost", "PCIe", "5376 values") and flag(spanned, "--split-mode") == "layer"
+    host_only = plan(pairs, WantedModel(id=REVIEWER, spill="host"))  # the fleet keeps every model on one board
+    assert not host_only.fits and "GPUs 0,1" in host_only.unplaced[0].reason
+    assert "spill: boards (the fleet asks for spill: host) would hold it whole across boards, 4 cards" in \
+        host_only.unplaced[0].reason
     moe = only(plan(pairs, Q6K))  # an MoE model that one pair holds
     assert set(moe.gpus) in ({0, 1}, {2, 3})
 

@@ -44,7 +44,7 @@ def test_from_dir_summary_for_a_person() -> None:
     assert "Tesla V100-SXM2-16GB" in out
     assert "driver: 573.96 (CUDA 12.8, TCC)" in out
     assert "NVLink: 0-1 NV2" in out
-    assert "boards: {0,1}" in out
+    assert "boards: 0:{0,1} (a fleet pins a model to one with board: N)" in out
     assert "groups: windows, dual_nvlink" in out
 
 
@@ -73,7 +73,7 @@ def test_the_topology_matrix_alone_gives_the_links_and_boards(tmp_path: Path) ->
     assert [0, 1, 6] in profile["nvlink"]["pairs"] and [6, 11, 2] in profile["nvlink"]["pairs"]
     assert profile["boards"] == [[0, 1], [2, 3], [4, 5, 8, 9], [6, 7, 10, 11]]
     text = _invoke("--from-dir", str(tmp_path))
-    assert text.exit_code == 0 and "boards: {0,1} {2,3} {4,5,8,9} {6,7,10,11}" in text.stdout
+    assert text.exit_code == 0 and "boards: 0:{0,1} 1:{2,3} 2:{4,5,8,9} 3:{6,7,10,11}" in text.stdout
 
 
 def test_empty_or_missing_dir_exits_2(tmp_path: Path) -> None:
