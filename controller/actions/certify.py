@@ -72,7 +72,7 @@ def identity(profile: HardwareProfile) -> dict[str, Any]:
 
 
 def installed(plan: ServePlan, status: dict[str, Any] | None, locked: Any) -> dict[str, Any]:
-    templates = template_digests({service.template for service in plan.services if service.template})
+    templates = template_digests(plan.templates())
     return {
         "engines": [{"id": engine.id, "slot": engine.slot, "commit": engine.commit,
                      "sha256": engine.download.sha256 if engine.download else None,

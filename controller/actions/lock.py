@@ -84,7 +84,7 @@ TEMPLATE_FILES = COLLECTION / "roles" / "llama_service" / "files" / "chat-templa
 # the bytes come from, which the checksums pin.
 DEFINITION_FIELDS = ("os", "models", "agents", "model_dir", "bind", "allow_from", "base_port", "driver",
                      "gateway", "vars")
-LATER_MODEL_FIELDS = ("gpus", "board", "spill")  # a wanted model's placement (issue 24): absent when unset
+LATER_MODEL_FIELDS = ("gpus", "board", "spill", "on_demand")  # a wanted model's placement (issue 24): absent when unset
 UPDATE_HINT = "run `controller lock --fleet {fleet} --update` to accept it"
 
 
@@ -161,7 +161,7 @@ def definition(box: Box) -> dict[str, Any]:
     data = json.loads(json.dumps(box.model_dump(mode="json", include=set(DEFINITION_FIELDS))))
     for wanted in data.get("models", []):  # settings added since locks were first written count only when set,
         for key in LATER_MODEL_FIELDS:     # so an older lock still matches a fleet that does not use them
-            if wanted.get(key) is None:
+            if wanted.get(key) is None or wanted.get(key) is False:  # board 0 is a setting: compare by identity
                 wanted.pop(key, None)
     return data
 
@@ -195,7 +195,7 @@ def box_entry(box: Box, profile: HardwareProfile | None, plan: ServePlan, templa
         models={item.file: LockedModel(id=item.id, sha256=item.sha256, size_bytes=item.size_bytes)
                 for item in plan.models},
         templates={name: LockedTemplate(sha256=digest) for name, digest in templates.items()
-                   if any(service.template == name for service in plan.services)},
+                   if name in plan.templates()},
         services={service.name: LockedService(model=service.model, engine=service.engine, host=service.host,
                                               port=service.port, args=list(service.args), env=dict(service.env),
                                               template=service.template)
@@ -423,7 +423,7 @@ def record(path: Path, fleet: Fleet, fleet_path: Path, entries: Mapping[str, Box
 # the catalog pins none for (the one read of the network here).
 
 def entry_for(box: Box, profile: HardwareProfile | None, plan: ServePlan) -> BoxLock:
-    entry = box_entry(box, profile, plan, template_digests({s.template for s in plan.services if s.template}))
+    entry = box_entry(box, profile, plan, template_digests(plan.templates()))
     sums = {pack.id: pack.download.sha256sums_url for pack in plan.engines
             if pack.download and not pack.download.sha256 and pack.download.sha256sums_url}
     for engine_id, url in sums.items():  # the catalog pins none: the mirror's SHA256SUMS, which the box checks

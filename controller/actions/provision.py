@@ -123,7 +123,8 @@ def provision(fleet: Fleet, names: Sequence[str], inventory: Path, *, fleet_path
                 del planned[name]
                 failed(name, error)
                 continue
-            services = ", ".join(f"{service.model}:{service.port}" for service in item.plan.services)
+            services = ", ".join(f"{'+'.join(service.models or [service.model])}:{service.port}"
+                                 for service in item.plan.services)
             stage(name, "planned", f"probed in {item.probe_seconds:.1f}s, planned {services}")
         prepare_seconds = time.monotonic() - started
 

@@ -149,6 +149,11 @@ def emit(plan: ServePlan, as_json: bool) -> None:
                 click.echo(f"    - {reason}")
         env = " ".join(f"{key}={value}" for key, value in service.env.items())
         click.echo(f"  {env + ' ' if env else ''}llama-server {' '.join(service.args)}")
+        for item in service.on_demand.models if service.on_demand is not None else ():
+            memory = ", ".join(f"{device} {mib} MiB" for device, mib in item.memory.per_device_mib.items())
+            click.echo(f"  on demand: {item.id}, context {item.ctx} ({item.cache_type_k} cache); {memory}")
+            for reason in item.reasons:
+                click.echo(f"    - {reason}")
     for gpu in plan.idle_gpus:
         click.echo(f"idle: GPU {gpu.index} {gpu.name}: {gpu.reason}")
     if plan.gateway is not None:

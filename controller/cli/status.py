@@ -60,6 +60,8 @@ def human(box) -> str:  # type: ignore[no-untyped-def]
     for s in box.services:
         if s.error:
             lines.append(f"  {s.name}: {s.error}")
+        if s.loaded is not None:
+            lines.append(f"  {s.name}: on demand {', '.join(s.models)}; loaded now: {', '.join(s.loaded) or 'none'}")
     for engine in box.engines:
         locked = f", lock {engine['locked']}" if engine.get("locked") else ""
         lines.append(f"  engine {engine['slot']}: runs {engine['running'] or '-'} (plan {engine['planned']}{locked})")

@@ -253,6 +253,18 @@ class EngineApiKey(_Strict):
     env: OneLine | None = None
 
 
+class EngineRouter(_Strict):
+    """How an engine version serves several models behind one port (llama-server's router mode: started without
+    ``--model``, each model a child llama-server on a loopback port, loaded on request, least recently used
+    unloaded first). ``key_file_env`` is the variable the router and its children read the key file's path from:
+    a key given as a flag would reach the router only and leave every child's port open."""
+
+    preset: OneLine = "--models-preset"  # an INI file: one section per model, its keys the long flag names
+    max_loaded: OneLine = "--models-max"  # how many children may be loaded at once
+    key_file_env: OneLine = "LLAMA_ARG_API_KEY_FILE"
+    stop_timeout: OneLine = "stop-timeout"  # the preset key: seconds before a model server told to exit is killed
+
+
 class EngineDraftFlags(_Strict):
     """How an engine version spells the draft-model options of speculative decoding. An engine without
     them in the catalog is never given a draft model. ``ctx`` is None where the version has no draft
@@ -282,6 +294,7 @@ class EngineEntry(_Strict):
     api_key: EngineApiKey = Field(default_factory=EngineApiKey)
     no_slots_flags: list[OneLine] = Field(default_factory=lambda: ["--no-slots"])  # turn off GET /slots
     draft: EngineDraftFlags | None = None  # the draft-model flags; None: the catalog gives this engine no draft
+    router: EngineRouter | None = None  # router mode (on-demand models); None: one model per server
     packs: dict[str, EnginePack]
     # The CUDA architectures the build carries machine code for, as CMAKE_CUDA_ARCHITECTURES numbers:
     # [70] (the kit's packs, and the default for a GPU build), [70, 86] or "70;86" for a build for several.

@@ -109,7 +109,7 @@ def client_config(box: Box, plan: ServePlan, api_key: str, only: str | None = No
     """For each planned service, what Claude Code and OpenClaw need (``only``: one of them), and a warning per
     client the service's context is too small for."""
     services = []
-    for service in plan.services:
+    for service in (view for planned in plan.services for view in planned.per_model()):
         url = base_url(box, service)
         entry: dict[str, Any] = {"model": service.model, "base_url": url, "ctx": service.ctx,
                                  "warnings": context_warnings(service, only)}
@@ -128,7 +128,7 @@ def role_services(box: Box, plan: ServePlan, key: str | None = None) -> list[dic
     key the controller hands in.
     """
     services = []
-    for service in plan.services:
+    for service in (view for planned in plan.services for view in planned.per_model()):
         url = base_url(box, service)
         env = claude_code(service, url, "")["env"]
         del env["ANTHROPIC_AUTH_TOKEN"]

@@ -151,6 +151,17 @@ class WantedModel(_Strict):
     # on the CPU (mixture-of-experts models), "boards" splits it by layer across the fewest boards, every token
     # crossing PCIe between them. Unset: host where one board can hold it so, else boards.
     spill: Literal["host", "boards"] | None = None
+    # Served on demand: true (the box's one group) or a group's name. A group's models share one server in
+    # router mode, one port and one key, on the same cards; each is loaded when a request names it and the least
+    # recently used is unloaded when the next does not fit.
+    on_demand: bool | Name = False
+
+    @property
+    def group(self) -> str | None:
+        """The on-demand group's name (``default`` for ``on_demand: true``), or None."""
+        if self.on_demand is False:
+            return None
+        return "default" if self.on_demand is True else str(self.on_demand)
 
     @field_validator("gpus")
     @classmethod
@@ -444,6 +455,8 @@ class Box(Connection):
     # range on the box before anything is set.
     power_limit_w: Annotated[int | dict[int, int] | None, BeforeValidator(_power_limit)] = None
     seal: SealSettings = Field(default_factory=SealSettings)  # what `controller seal` leaves for the buyer
+    # At most this many models of an on-demand group loaded at once (default: as many as fit the group's cards).
+    on_demand_max: int | None = Field(default=None, ge=1, le=64)
     vars: dict[str, Any] = Field(default_factory=dict)  # extra Ansible variables for this box
 
     @field_validator("agents", mode="before")
@@ -471,6 +484,24 @@ class Box(Connection):
             if not {"agents", "clients"} & wanted.model_fields_set:
                 self.models[i] = WantedModel.model_validate({**wanted.model_dump(exclude_unset=True),  # draft, engine
                                                              "agents": self.agents})
+        return self
+
+    @model_validator(mode="after")
+    def _groups_agree_on_their_cards(self) -> Box:
+        groups: dict[str, list[WantedModel]] = {}
+        for wanted in self.models:
+            if wanted.group is not None:
+                groups.setdefault(wanted.group, []).append(wanted)
+        for name, members in groups.items():
+            pins = {(tuple(m.gpus or ()), m.board, m.spill, m.mix_cards) for m in members if m.pinned or m.spill
+                    or m.mix_cards}
+            if len(pins) > 1:
+                raise ValueError(f"on-demand group {name}: its models share the same cards, so give gpus, board, spill "
+                                 f"and mix_cards on one of them or the same on each")
+            ids = [m.id for m in members]
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"on-demand group {name} names {sorted({i for i in ids if ids.count(i) > 1})[0]} "
+                                 f"twice; a group serves each model once")
         return self
 
     @model_validator(mode="after")

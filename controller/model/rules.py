@@ -39,6 +39,8 @@ STREAM_SILENCE_S = 3600
 # Where a box keeps its models and its chat templates.
 DEFAULT_MODEL_DIR: dict[str, str] = {"linux": "/var/lib/llama/models", "windows": "C:\\llama\\models"}
 TEMPLATE_DIR: dict[str, str] = {"linux": "/etc/llama/templates", "windows": "C:\\llama\\templates"}
+# Where an on-demand group's router reads its models' preset file (llama_service writes it there).
+PRESET_DIR: dict[str, str] = {"linux": "/etc/llama/presets", "windows": "C:\\llama\\presets"}
 
 
 # CUDA architectures, written as CMake's CMAKE_CUDA_ARCHITECTURES numbers (compute capability 8.6 -> 86).

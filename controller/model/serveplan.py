@@ -97,6 +97,38 @@ class DraftService(_Model):
     reasons: list[str] = Field(default_factory=list)
 
 
+class OnDemandModel(_Model):
+    """One model of an on-demand group: planned as if it ran alone on the group's cards, spelled as a section of
+    the router's preset file (``preset``: each key a long flag name without its dashes, each value its argument,
+    ``true`` for a flag without one)."""
+
+    id: str
+    model_file: str
+    template: str | None = None
+    ctx: int
+    parallel: int = 1
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    gpus: list[int] = Field(default_factory=list)
+    split_mode: Literal["none", "layer", "tensor"] = "none"
+    cpu_offload: bool = False
+    preset: dict[str, str] = Field(default_factory=dict)
+    memory: ServiceMemory = Field(default_factory=ServiceMemory)
+    draft: DraftService | None = None
+    reasons: list[str] = Field(default_factory=list)
+
+
+class OnDemandPlan(_Model):
+    """A service in router mode: its models load when a request names them (``controller.stages.planner.core``)."""
+
+    group: str
+    max_loaded: int  # --models-max: how many of them may be loaded at once
+    preset_file: str  # where the role writes the preset on the box
+    key_file_env: str = "LLAMA_ARG_API_KEY_FILE"  # the variable the router and its models' servers read the key from
+    models: list[OnDemandModel] = Field(default_factory=list)
+    reasons: list[str] = Field(default_factory=list)
+
+
 class Service(_Model):
     name: str  # systemd unit / Windows service suffix, e.g. "llama-gemma4-26b-a4b-qat-q4_0"
     model: str  # catalog id
@@ -129,6 +161,18 @@ class Service(_Model):
     draft: DraftService | None = None  # speculative decoding with a draft model; None: no draft model
     gpu_minors: list[int] = Field(default_factory=list)  # Linux device nodes of ``gpus`` (/dev/nvidia<minor>), in order
     memory_deny_write_execute: bool = False  # the unit refuses writable+executable memory: nothing compiles at run time
+    on_demand: OnDemandPlan | None = None  # router mode: ``models`` load on demand; None: one model, always loaded
+
+    def per_model(self) -> list[Service]:
+        """The service as a client of each model it answers sees it: itself, or for an on-demand group one view per
+        model (its id, context and cache; the same name, port and key)."""
+        if self.on_demand is None:
+            return [self]
+        return [self.model_copy(update={"model": item.id, "models": [item.id], "model_file": item.model_file,
+                                        "ctx": item.ctx, "parallel": item.parallel, "cache_type_k": item.cache_type_k,
+                                        "cache_type_v": item.cache_type_v, "template": item.template,
+                                        "cpu_offload": item.cpu_offload, "draft": item.draft})
+                for item in self.on_demand.models]
 
 
 class Unplaced(_Model):
@@ -183,3 +227,7 @@ class ServePlan(_Model):
     driver: DriverPlan | None = None
     idle_gpus: list[IdleGpu] = Field(default_factory=list)  # the cards no service uses, each with why
     gateway: GatewayPlan | None = None  # the box runs a gateway (the fleet's gateway:)
+
+    def templates(self) -> set[str]:
+        """Every chat template a server of the plan loads, on-demand models' included."""
+        return {view.template for service in self.services for view in service.per_model() if view.template}

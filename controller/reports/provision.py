@@ -64,6 +64,20 @@ def fast_path_section(box: Box, run: RunResult | None) -> dict[str, Any] | None:
     return {"converged": bool(seen.get("converged")), "reasons": list(seen.get("reasons") or [])}
 
 
+def _on_demand_lines(service: dict[str, Any]) -> list[str]:
+    """An on-demand router's models: each one's first turn, which loaded it when it was not loaded."""
+    if not service.get("on_demand"):
+        return []
+    answers = service.get("models") or {}
+    lines = [f"- On demand: {', '.join(service['on_demand']['models'])}, at most "
+             f"{service['on_demand']['max_loaded']} loaded at once"]
+    for model in service["on_demand"]["models"]:
+        openai = (answers.get(model) or {}).get("openai") or {}
+        lines.append(f"  - {model}: " + (f"first turn (its load included when it was not loaded) "
+                                         f"{openai['seconds']} s" if "seconds" in openai else "not checked"))
+    return lines
+
+
 def build_report(box: Box, profile: HardwareProfile, plan: ServePlan, run: RunResult | None,
                  verify: dict[str, Any], probe_seconds: float) -> dict[str, Any]:
     """The report of one box; ``verify`` is what its checks answered (controller.stages.verify.results)."""
@@ -78,6 +92,8 @@ def build_report(box: Box, profile: HardwareProfile, plan: ServePlan, run: RunRe
         "parallel": service.parallel,
         **report_fields(verify, outcome, service.name),
         "reasons": service.reasons,
+        **({"on_demand": {"models": service.models, "max_loaded": service.on_demand.max_loaded}}
+           if service.on_demand is not None else {}),
     } for service in plan.services]
     return {
         "box": box.name,
@@ -161,6 +177,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"- OpenAI API: {openai.get('completion_tokens', 0)} tokens at {openai.get('tokens_per_second', 0)} tok/s",
             f"- Anthropic API: {anthropic.get('output_tokens', 0)} tokens, stop reason {anthropic.get('stop_reason')}",
             _auth_line(service.get("auth") or {}, service["name"]),
+            *_on_demand_lines(service),
             f"- Engine {service['engine']}, GPUs {service['gpus'] or 'none (CPU)'}, context {service['ctx']}, "
             f"{service['parallel']} slot(s)",
             *[f"  - {reason}" for reason in service["reasons"]],

@@ -202,6 +202,17 @@ def _gpus(profile: HardwareProfile) -> list[dict[str, Any]]:
             for gpu in profile.gpus]
 
 
+def _on_demand(service: Service) -> dict[str, Any]:
+    """A router's models: the preset the role writes (a section per model) and how the key reaches them."""
+    if service.on_demand is None:
+        return {}
+    on_demand = service.on_demand
+    return {"models": service.models, "on_demand": {
+        "preset_file": on_demand.preset_file, "key_file_env": on_demand.key_file_env,
+        "max_loaded": on_demand.max_loaded,
+        "models": [{"id": item.id, "preset": item.preset} for item in on_demand.models]}}
+
+
 def _sandbox(box: Box, service: Service) -> dict[str, Any]:
     """The unit's device nodes (by minor number; none for a CPU service) and W^X memory, as the plan decided."""
     if box.os != "linux":
@@ -297,10 +308,11 @@ def host_vars(box: Box, profile: HardwareProfile, plan: ServePlan | None, driver
                 "api_key_flag": slots[service.engine].api_key_flag,
                 "no_slots_flags": slots[service.engine].no_slots_flags,
                 **_sandbox(box, service),
+                **_on_demand(service),
             }
             for service in plan.services
         ],
-        "llama_service_templates": sorted({s.template for s in plan.services if s.template}),
+        "llama_service_templates": sorted(plan.templates()),
         "llama_service_template_dir": plan.template_dir,
         "agent_clients_services": role_services(box, plan),
         "llama_verify_nccl": uses_nccl(plan),

@@ -62,6 +62,14 @@ INSTANCES = [
     {"name": "llama-planned-cpu", "model": "tiny", "engine": "cpu", "port": 8041,
      "args": ["--model", "/var/lib/llama/models/tiny.gguf", "--port", "8041"],
      "gpu_minors": [], "memory_deny_write_execute": True},
+    # As the controller renders an on-demand group: a router, its models in the preset file.
+    {"name": "llama-on-demand", "model": "tiny", "models": ["tiny", "tools"], "engine": "cpu", "port": 8051,
+     "args": ["--models-preset", "/etc/llama/presets/llama-on-demand.ini", "--models-max", "1", "--host", "127.0.0.1",
+              "--port", "8051"],
+     "gpu_minors": [], "memory_deny_write_execute": True,
+     "on_demand": {"preset_file": "/etc/llama/presets/llama-on-demand.ini", "key_file_env": "LLAMA_ARG_API_KEY_FILE",
+                   "max_loaded": 1, "models": [{"id": "tiny", "preset": {"model": "/m/tiny.gguf"}},
+                                               {"id": "tools", "preset": {"model": "/m/tools.gguf"}}]}},
 ]
 
 
@@ -180,3 +188,14 @@ def test_models_and_engines_are_read_only(units):
     assert _lines(unit, "ProtectSystem") == ["strict"]
     assert _lines(unit, "StateDirectory") == ["llama-service/llama-gemma"]
     assert _lines(unit, "UMask") == ["0077"]
+
+
+def test_a_router_gets_its_key_file_in_the_environment_its_models_servers_inherit(units):
+    # A key flag reaches the router only (it strips it from its models' servers, which would then answer anyone on
+    # loopback); the variable reaches them all.
+    router = units["llama-on-demand"]
+    assert _lines(router, "Environment") == ["LLAMA_CACHE=%C/llama-service/llama-on-demand",
+                                             "LLAMA_ARG_API_KEY_FILE=%d/api-key"]
+    (start,) = _lines(router, "ExecStart")
+    assert "--api-key-file" not in start and '"--models-preset" "/etc/llama/presets/llama-on-demand.ini"' in start
+    assert "--api-key-file" in _lines(units["llama-planned-cpu"], "ExecStart")[0]

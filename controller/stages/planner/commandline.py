@@ -112,3 +112,42 @@ def draft_args(engine: EngineEntry, draft_path: str, service: Service, n_max: in
 def load_flags(engine: EngineEntry, *, mlock: bool) -> list[str]:
     """How the engine loads the weights: locked in RAM (offloaded experts must never page out) or mapped."""
     return list(engine.load_flags.get("mlock" if mlock else "mmap", []))
+
+
+ROUTER_OWNED = ("--alias", "--host", "--port")  # the router gives each model's server these itself
+# Seconds the router waits for a model server it unloads to exit before killing it. On an H100 (driver 580, the test
+# engine's commit built for CUDA) servers told to exit were still there at the default 10 s in 2 of 3 evictions, so
+# every swap waited 10 s (tests/fixtures/gpu_check/router-load-h100-580); nothing is in flight when it unloads one.
+GPU_STOP_TIMEOUT_S = 3
+_INI_UNSAFE = re.compile(r"[\r\n]|\s[;#]")  # a value the preset's INI parser would cut short
+
+
+def preset_section(args: Sequence[str]) -> dict[str, str]:
+    """A model's llama-server arguments as its section of the router's preset: each long flag without its dashes,
+    its argument as the value (``true`` for a flag that takes none); the flags the router owns are left out."""
+    section: dict[str, str] = {}
+    words = list(args)
+    index = 0
+    while index < len(words):
+        flag = words[index]
+        if not flag.startswith("-"):
+            raise ValueError(f"{flag!r} in a model's arguments follows no flag")
+        has_value = index + 1 < len(words) and not words[index + 1].startswith("--")
+        value = words[index + 1] if has_value else "true"
+        index += 2 if has_value else 1
+        if flag in ROUTER_OWNED:
+            continue
+        if _INI_UNSAFE.search(value):
+            raise ValueError(f"{flag} {value!r} cannot be written in the router's preset file (a line break, or ; or # "
+                             f"after a space, would end it early); use a model folder without them")
+        section[flag.lstrip("-")] = value
+    return section
+
+
+def router_args(engine: EngineEntry, preset_file: str, max_loaded: int, host: str, port: int) -> list[str]:
+    """The router's own command line: every model's flags are in its preset section, since a flag given here
+    would apply to every model."""
+    if engine.router is None:
+        raise ValueError(f"{engine.id} has no router mode in the engine catalog")
+    return [engine.router.preset, preset_file, engine.router.max_loaded, str(max_loaded), "--host", host,
+            "--port", str(port)]

@@ -15,13 +15,30 @@ from controller.errors import PlanError, ProbeError
 from controller.model.catalog import Catalog, EngineEntry, ModelEntry
 from controller.model.fleet import Box, Mirror, WantedModel
 from controller.model.profile import HardwareProfile
-from controller.model.rules import DEFAULT_MODEL_DIR, TEMPLATE_DIR, box_path
-from controller.model.serveplan import IdleGpu, ModelFile, ServePlan, Service, ServiceMemory, Unplaced
+from controller.model.rules import DEFAULT_MODEL_DIR, PRESET_DIR, TEMPLATE_DIR, box_path
+from controller.model.serveplan import (
+    IdleGpu,
+    ModelFile,
+    OnDemandModel,
+    OnDemandPlan,
+    ServePlan,
+    Service,
+    ServiceMemory,
+    Unplaced,
+)
 from controller.stages.estimate.gguf_header import GGUFHeader
 from controller.stages.planner import draft as drafting
 from controller.stages.planner import fit as fitting
 from controller.stages.planner import sandbox, sources
-from controller.stages.planner.commandline import CACHE_RAM_MIB, command_line, environment, load_flags
+from controller.stages.planner.commandline import (
+    CACHE_RAM_MIB,
+    GPU_STOP_TIMEOUT_S,
+    command_line,
+    environment,
+    load_flags,
+    preset_section,
+    router_args,
+)
 from controller.stages.planner.placement import (
     HOST_RESERVE_MIB,
     RESIDENT_UBATCH,
@@ -178,7 +195,8 @@ def _service(index: int, name: str, want: WantedModel, entry: ModelEntry, model:
 
 def plan_models(wanted: Sequence[WantedModel], profile: HardwareProfile, catalog: Catalog, *, host: str = "127.0.0.1",
                 base_port: int = 8001, model_dir: str | None = None, os: str | None = None,
-                mirror: Mirror | None = None, headers: Mapping[str, str | GGUFHeader] | None = None) -> ServePlan:
+                mirror: Mirror | None = None, headers: Mapping[str, str | GGUFHeader] | None = None,
+                on_demand_max: int | None = None) -> ServePlan:
     """Plan every wanted model on one box; models that cannot be placed are listed with the numbers.
 
     ``os`` defaults to the probed OS (else Linux) and ``model_dir`` to that OS's model folder; ``mirror``
@@ -193,7 +211,7 @@ def plan_models(wanted: Sequence[WantedModel], profile: HardwareProfile, catalog
     model_dir = model_dir or DEFAULT_MODEL_DIR[os]
     template_dir = TEMPLATE_DIR[os]
     headers = headers or {}
-    entries = [_pinned(catalog.model(want.id), want, catalog) for want in wanted]
+    entries = [_on_router(_pinned(catalog.model(want.id), want, catalog), want, catalog) for want in wanted]
     for entry in entries:  # a pinned pack that no card here can run: refuse before planning anything
         if mismatch := pinned_engine_problem(entry, catalog, profile):
             raise PlanError(mismatch)
@@ -205,34 +223,63 @@ def plan_models(wanted: Sequence[WantedModel], profile: HardwareProfile, catalog
     names = _names(entries)
     unknown = ", ".join(f"GPU {g.index}" for g in profile.gpus if g.is_v100 and not g.memory_mib)
     results: dict[int, Service | Unplaced] = {}
-    # Pinned models first (their cards are the fleet's word), then the largest first, so big models get the boards.
-    order = sorted(range(len(wanted)), key=lambda i: (not wanted[i].pinned, -fitting.weights_mib(models[i]), i))
-    for i in order:
-        entry, model, want = entries[i], models[i], wanted[i]
+
+    def place(i: int) -> tuple[Placement | str, str | None]:
+        """Where model ``i`` goes (or why not), settling its draft; the agent refusal when that was it."""
+        entry, want = entries[i], wanted[i]
         again = True
         while again:  # a second pass places the target alone when its auto draft must go
-            if refused := agent_refusal(entry, model, want):
-                place = refused
+            if refused := agent_refusal(entry, models[i], want):
+                where = refused
             elif gpu_builds_run(ctx):
-                place = place_gpu(entry, model, want, ctx)
+                where = place_gpu(entry, models[i], want, ctx)
             elif unknown:
-                place = (f"{entry.id}: the probe saw V100s ({unknown}) but not their memory, so nothing can be sized; "
+                where = (f"{entry.id}: the probe saw V100s ({unknown}) but not their memory, so nothing can be sized; "
                          f"re-run the probe (nvidia-smi output was cut short or failed)")
             else:
-                place = place_cpu(entry, model, want, ctx)
-            model, pairs[i], again = drafting.settle(pairs[i], place, model)
-        if isinstance(place, str):
-            results[i] = Unplaced(model=entry.id, reason=place + ("" if refused else agent_shortfall(want))
-                                  + drafting.refusal_note(pairs[i]))
-            continue
-        service, ram = _service(i, names[i], want, entry, model, place, ctx, host, base_port + i, os, model_dir,
+                where = place_cpu(entry, models[i], want, ctx)
+            models[i], pairs[i], again = drafting.settle(pairs[i], where, models[i])
+        return where, refused
+
+    def unplaced(i: int, where: str, refused: str | None) -> Unplaced:
+        return Unplaced(model=entries[i].id, reason=where + ("" if refused else agent_shortfall(wanted[i]))
+                        + drafting.refusal_note(pairs[i]))
+
+    def service_for(i: int, where: Placement, name: str, port: int) -> tuple[Service, float]:
+        service, ram = _service(i, name, wanted[i], entries[i], models[i], where, ctx, host, port, os, model_dir,
                                 template_dir)
         if isinstance(pairs[i], drafting.Pairing):
-            drafting.attach(pairs[i], service, place.engine, box_path(os, model_dir, pairs[i].entry.file))
+            drafting.attach(pairs[i], service, where.engine, box_path(os, model_dir, pairs[i].entry.file))
         elif pairs[i] is not None:
             service.reasons.append(pairs[i])
-        if place.gpus is not None:
-            pool.take(place.gpus.gpus, entry.id)
+        return service, ram
+
+    # A unit is one model, or an on-demand group: its models share one server and the same cards.
+    units: list[list[int]] = []
+    groups: dict[str, list[int]] = {}
+    for i, want in enumerate(wanted):
+        if want.group is None:
+            units.append([i])
+        elif want.group in groups:
+            groups[want.group].append(i)
+        else:
+            units.append(groups.setdefault(want.group, [i]))
+    # Pinned models first (their cards are the fleet's word), then the largest first, so big models get the boards.
+    units.sort(key=lambda unit: (not any(wanted[i].pinned for i in unit),
+                                 -max(fitting.weights_mib(models[i]) for i in unit), unit[0]))
+    for unit in units:
+        if wanted[unit[0]].group is not None:
+            results.update(_place_group(unit, wanted, entries, models, ctx, place, unplaced, service_for,
+                                        base_port=base_port, os=os, on_demand_max=on_demand_max))
+            continue
+        (i,) = unit
+        where, refused = place(i)
+        if isinstance(where, str):
+            results[i] = unplaced(i, where, refused)
+            continue
+        service, ram = service_for(i, where, names[i], base_port + i)
+        if where.gpus is not None:
+            pool.take(where.gpus.gpus, entries[i].id)
         if ctx.ram_free_mib is not None:
             ctx.ram_free_mib -= ram
         results[i] = service
@@ -244,13 +291,176 @@ def plan_models(wanted: Sequence[WantedModel], profile: HardwareProfile, catalog
                for engine_id in dict.fromkeys(service.engine for service in services)]
     files: dict[str, ModelFile] = {}  # one download per file, however many services load it
     for service in services:
-        if service.model_file not in files:
-            files[service.model_file] = sources.model_file(catalog.model(service.model), os, mirror)
-        if service.draft is not None and service.draft.compatible and service.draft.model_file not in files:
-            files[service.draft.model_file] = sources.model_file(catalog.model(service.draft.model), os, mirror)
+        served = service.on_demand.models if service.on_demand is not None else [service]
+        for item in served:
+            model_id = item.id if service.on_demand is not None else item.model
+            if item.model_file not in files:
+                files[item.model_file] = sources.model_file(catalog.model(model_id), os, mirror)
+            if item.draft is not None and item.draft.compatible and item.draft.model_file not in files:
+                files[item.draft.model_file] = sources.model_file(catalog.model(item.draft.model), os, mirror)
     idle = [IdleGpu(index=gpu.index, name=gpu.name, arch=gpu.arch, reason=why) for gpu, why in idle_cards(ctx)]
     return ServePlan(fits=not unplaced, services=services, unplaced=unplaced, os=os, model_dir=model_dir,
                      template_dir=template_dir, engines=engines, models=list(files.values()), idle_gpus=idle)
+
+
+def _on_router(entry: ModelEntry, want: WantedModel, catalog: Catalog) -> ModelEntry:
+    """An on-demand model whose catalog entry asks for ik_llama.cpp (no router mode) is served by upstream."""
+    if want.group is None or entry.engine in catalog.engines or entry.engine == "upstream":
+        return entry
+    return entry.model_copy(update={"engine": "upstream"})
+
+
+def _group_name(group: str) -> str:
+    return "llama-on-demand" if group == "default" else service_name(f"on-demand-{group}")
+
+
+def _max_loaded(members: Sequence[tuple[Service, float]], cards: Sequence[int], ctx: Context,
+                cap: int | None) -> tuple[int, str]:
+    """How many of the group's models may be loaded at once, and why: the most whose largest estimates, card by
+    card and in host RAM, fit together (each model's own estimate includes its CUDA context)."""
+    budgets = {f"cuda{g}": float(ctx.pool.gpus[g].memory_mib or 0) - fitting.RESIDENT_MARGIN_MIB for g in cards}
+    ram = ctx.ram_free_mib - HOST_RESERVE_MIB if ctx.ram_free_mib is not None else None
+
+    def top(values: Sequence[float], k: int) -> float:
+        return sum(sorted(values, reverse=True)[:k])
+
+    def fits(k: int) -> bool:
+        on_cards = all(top([s.memory.per_device_mib.get(device, 0) for s, _ in members], k) <= budget
+                       for device, budget in budgets.items())
+        return on_cards and (ram is None or top([r for _, r in members], k) <= ram)
+
+    fit = max((k for k in range(1, len(members) + 1) if fits(k)), default=1)
+    where = (", ".join(f"{device} {budget:.0f} MiB" for device, budget in budgets.items()) if budgets
+             else f"{ram:.0f} MiB of host RAM" if ram is not None else "the host's memory")
+    why = (f"--models-max {fit}: at most {fit} of the {len(members)} models fit at once ({where} usable; each "
+           f"model's own estimate, its CUDA context included, the largest first)")
+    if cap is not None and cap < fit:
+        return cap, f"--models-max {cap}: the fleet's on_demand_max (up to {fit} would fit at once)"
+    return fit, why
+
+
+def _place_group(unit: Sequence[int], wanted: Sequence[WantedModel], entries: list[ModelEntry],
+                 models: list[MemoryModel], ctx: Context, place, unplaced, service_for, *, base_port: int, os: str,
+                 on_demand_max: int | None) -> dict[int, Service | Unplaced]:
+    """An on-demand group: its largest model is placed as any model is; every other one is planned alone on the
+    same cards with the same engine; one router serves them all from the port of the group's first model."""
+    group = wanted[unit[0]].group or "default"
+    name = _group_name(group)
+    out: dict[int, Service | Unplaced] = {}
+    if os == "windows":
+        for i in unit:
+            out[i] = Unplaced(model=entries[i].id, reason=(
+                f"{entries[i].id}: on-demand group {group} needs the engine's router mode under a Linux unit; a Windows "
+                f"box serves each model as a service of its own: drop on_demand"))
+        return out
+    for i in list(unit):  # an engine the fleet names for a model must be one the router can be
+        named = ctx.catalog.engines.get(wanted[i].engine or "")
+        if named is not None and named.router is None:
+            out[i] = Unplaced(model=entries[i].id, reason=(
+                f"{entries[i].id}: the fleet names engine {named.id} for it, which has no router mode in the engine "
+                f"catalog (ik_llama.cpp at 022bd00a has none), so on-demand group {group} cannot serve it; drop its "
+                f"engine: or its on_demand"))
+    unit = [i for i in unit if i not in out]
+    if not unit:
+        return out
+    order = sorted(unit, key=lambda i: (-fitting.weights_mib(models[i]), i))
+    ctx.router = True
+    try:
+        return out | _group_on_cards(unit, order, group, name, wanted, entries, models, ctx, place, unplaced,
+                                     service_for, base_port=base_port, os=os, on_demand_max=on_demand_max)
+    finally:
+        ctx.router = False
+
+
+def _group_on_cards(unit: Sequence[int], order: Sequence[int], group: str, name: str, wanted: Sequence[WantedModel],
+                    entries: list[ModelEntry], models: list[MemoryModel], ctx: Context, place, unplaced, service_for, *,
+                    base_port: int, os: str, on_demand_max: int | None) -> dict[int, Service | Unplaced]:
+    out: dict[int, Service | Unplaced] = {}
+    first = order[0]
+    where, refused = place(first)
+    if isinstance(where, str):
+        out[first] = unplaced(first, where, refused)
+        for i in order[1:]:
+            out[i] = Unplaced(model=entries[i].id, reason=(
+                f"{entries[i].id}: on-demand group {group} has no cards: its largest model, {entries[first].id}, "
+                f"could not be placed"))
+        return out
+    engine = where.engine
+    if engine.router is None:
+        for i in unit:
+            out[i] = Unplaced(model=entries[i].id, reason=(
+                f"{entries[i].id}: on-demand group {group} would run on {engine.id}, which has no router mode in the "
+                f"engine catalog (ik_llama.cpp at 022bd00a has none), so it cannot load models on demand; give the "
+                f"group's models an upstream engine (engine:) or drop on_demand"))
+        return out
+    cards = where.gpus.gpus if where.gpus is not None else ()
+    placed = {first: where}
+    for i in order[1:]:
+        entries[i] = entries[i].model_copy(update={"engine": engine.id})  # one router: one engine build
+        ctx.within = cards or None
+        try:
+            there, why = place(i)
+        finally:
+            ctx.within = None
+        if isinstance(there, str):
+            out[i] = unplaced(i, there + f"; on-demand group {group} holds its models on the cards of its largest, "
+                              f"{entries[first].id}", why)
+        else:
+            placed[i] = there
+    port = base_port + unit[0]
+    members = {i: service_for(i, placed[i], name, port) for i in unit if i in placed}
+    loaded, loaded_reason = _max_loaded(list(members.values()), cards, ctx, on_demand_max)
+    preset_file = box_path(os, PRESET_DIR[os], f"{name}.ini")
+    ordered = [i for i in unit if i in members]
+    lead = members[ordered[0]][0]
+    on_demand = OnDemandPlan(group=group, max_loaded=loaded, preset_file=preset_file,
+                             key_file_env=engine.router.key_file_env, models=[
+        OnDemandModel(id=member.model, model_file=member.model_file, template=member.template, ctx=member.ctx,
+                      parallel=member.parallel, cache_type_k=member.cache_type_k, cache_type_v=member.cache_type_v,
+                      gpus=member.gpus, split_mode=member.split_mode, cpu_offload=member.cpu_offload,
+                      preset=preset_section(member.args) | (
+                          {engine.router.stop_timeout: str(GPU_STOP_TIMEOUT_S)} if cards else {}),
+                      memory=member.memory, draft=member.draft,
+                      reasons=[r for r in member.reasons if not r.startswith(("port ", "API key required"))])
+        for member in (members[i][0] for i in ordered)])
+    devices = sorted({device for member, _ in members.values() for device in member.memory.per_device_mib})
+    resident = {device: round(sum(sorted((m.memory.per_device_mib.get(device, 0) for m, _ in members.values()),
+                                          reverse=True)[:loaded])) for device in devices}
+    ids = [member.model for member in (members[i][0] for i in ordered)]
+    reasons = [
+        f"on demand (group {group}): {', '.join(ids)} behind one port and one key, served by {engine.id} in router "
+        f"mode: a request naming a model loads it (the first waits for the load, sending nothing until then), and "
+        f"the least recently used is unloaded when the next would not fit; /v1/models lists every one with its status",
+        loaded_reason,
+        f"each model is planned alone on the group's {'GPUs ' + ','.join(map(str, cards)) if cards else 'CPU'} with "
+        f"its own context, cache and flags, written as its section of {preset_file}; the router's command line "
+        f"carries only what applies to all of them",
+        *([f"{engine.router.stop_timeout} {GPU_STOP_TIMEOUT_S} s: a model server on a GPU told to exit by the router "
+           f"was measured still running at the default 10 s (an H100, driver 580), which every swap waited out; it "
+           f"is killed after {GPU_STOP_TIMEOUT_S} s instead (nothing is in flight when the router unloads it)"]
+          if cards else []),
+        f"the key reaches the router and each model's own server as {engine.router.key_file_env} (a systemd "
+        f"credential): the models' servers listen on loopback ports of their own and refuse a request without it",
+        f"memory: up to {loaded} loaded at once, {', '.join(f'{d} {v} MiB' for d, v in resident.items())}",
+    ]
+    for i in ordered:
+        catalog_entry = ctx.catalog.model(wanted[i].id)
+        if catalog_entry.engine == "ik" and wanted[i].engine is None:
+            reasons.append(f"{entries[i].id}: upstream rather than the ik_llama.cpp its catalog entry names, since "
+                           f"ik_llama.cpp (022bd00a) has no router mode")
+    group_service = lead.model_copy(update={
+        "name": name, "models": ids, "port": port, "gpus": list(cards), "draft": None, "spec_decoding": None,
+        "template": None, "template_file": None,
+        "mlock": any(m.mlock for m, _ in members.values()), "nccl": any(m.nccl for m, _ in members.values()),
+        "memory": ServiceMemory(per_device_mib=resident), "reasons": reasons,
+        "args": router_args(engine, preset_file, loaded, lead.host, port), "on_demand": on_demand,
+    })
+    out[ordered[0]] = group_service  # one service, at its first model's place in the wanted list
+    if cards:
+        ctx.pool.take(tuple(cards), f"on-demand group {group}")
+    if ctx.ram_free_mib is not None:
+        ctx.ram_free_mib -= sum(sorted((ram for _, ram in members.values()), reverse=True)[:loaded])
+    return out
 
 
 def _pinned(entry: ModelEntry, want: WantedModel, catalog: Catalog) -> ModelEntry:
@@ -278,7 +488,8 @@ def plan_box(box: Box, profile: HardwareProfile, catalog: Catalog, wanted: list[
     if not wanted:
         raise PlanError(f"box {box.name}: no models wanted; add 'models:' with catalog ids to the fleet file")
     plan = plan_models(wanted, profile, catalog, host=box.bind, base_port=box.base_port,
-                       model_dir=box.effective_model_dir, os=box.os, mirror=box.mirror, headers=headers)
+                       model_dir=box.effective_model_dir, os=box.os, mirror=box.mirror, headers=headers,
+                       on_demand_max=box.on_demand_max)
     plan.service_wrapper = sources.service_wrapper(box, catalog)
     plan.driver = sources.plan_driver(box, profile, catalog, nccl=any(service.nccl for service in plan.services))
     return plan

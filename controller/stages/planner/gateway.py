@@ -68,7 +68,7 @@ def plan_gateway(box: Box, plan: ServePlan, others: Mapping[str, tuple[Box, Serv
     contexts = []
 
     def add(name: str, service_plan: ServePlan, host: str) -> None:
-        for service in service_plan.services:
+        for service in (view for planned in service_plan.services for view in planned.per_model()):
             if service.model in routes:  # the first box that serves a model answers for it
                 hidden.append(f"{service.model} on {name} (answered by {routes[service.model].box})")
                 continue

@@ -93,10 +93,10 @@ def usable(ctx: Context, entry: ModelEntry, want: WantedModel, family: str) -> U
     pin = pin_cards(ctx, want)
 
     def check(gpus: tuple[int, ...]) -> bool:
-        if pin is not None and not (set(gpus) == set(pin) if want.gpus is not None else set(gpus) <= set(pin)):
+        if pin is not None and not (set(gpus) == set(pin) if _exact(ctx, want) else set(gpus) <= set(pin)):
             return False
         archs = {ctx.pool.gpus[i].arch for i in gpus}
-        if len(archs) > 1 and not (want.mix_cards or want.gpus is not None):  # naming the cards mixes them
+        if len(archs) > 1 and not (want.mix_cards or _exact(ctx, want)):  # naming the cards mixes them
             return False
         if pinned is not None and not _runs(pinned, archs):
             return False
@@ -116,10 +116,24 @@ def board_label(ctx: Context, gset: GpuSet) -> str:
     return "no NVLink board"
 
 
+def _exact(ctx: Context, want: WantedModel) -> tuple[int, ...] | None:
+    """The exact cards a model must take (``gpus:``, or its on-demand group's), or None."""
+    if want.gpus is not None:
+        return tuple(sorted(want.gpus))
+    return ctx.within
+
+
+def _held(ctx: Context, want: WantedModel) -> bool:
+    """Whether the model may only go where it is held: pinned by the fleet, or on its group's cards."""
+    return bool(want.pinned) or ctx.within is not None
+
+
 def pin_cards(ctx: Context, want: WantedModel) -> tuple[int, ...] | None:
     """The cards a pinned model may use (``gpus``: exactly these; ``board``: that board's), or None."""
     if want.gpus is not None:
         return tuple(sorted(want.gpus))
+    if ctx.within is not None:
+        return ctx.within
     if want.board is not None and want.board < len(ctx.profile.boards):
         return tuple(sorted(ctx.profile.boards[want.board]))
     return None
@@ -185,6 +199,10 @@ def _engine_reason(entry: ModelEntry, engine: EngineEntry, *, split: str = "none
                + ("; the NCCL build all-reduces over NVLink" if engine.nccl else ""))
     elif entry.engine == engine.id:
         why = f"{family}: the catalog entry of {entry.id} pins this build"
+    elif engine.family == "ik" and entry.engine != "ik" and offload:
+        why = (f"{family}: its experts spill to host RAM, and ik_llama.cpp's --fit sizes that offload and computes "
+               f"the offloaded experts faster on the CPU (the catalog entry of {entry.id} names {entry.engine} for "
+               f"it, which serves it where it fits the cards)")
     elif engine.family == "ik":
         why = (f"{family}: the catalog entry of {entry.id} asks for it (engine: ik) for its mixture-of-experts "
                f"kernels" + (", its --fit expert offload" if offload else "") + " and its -cram prompt cache in host RAM")
@@ -218,6 +236,8 @@ class Context:
     pool: GpuPool
     ram_free_mib: float | None
     spill_alternatives: dict[int, str] = field(default_factory=dict)  # idle card -> model that spill: boards would use
+    within: tuple[int, ...] | None = None  # an on-demand group's cards: its next model is planned on exactly these
+    router: bool = False  # planning an on-demand group: only engines with router mode (upstream's)
 
     @property
     def cores(self) -> int | None:
@@ -329,7 +349,7 @@ def _resident(entry: ModelEntry, model: MemoryModel, want: WantedModel,
     # One NVLink board of one kind of card first; a model allowed to mix cards may then span boards and kinds.
     stages = [(size, False) for size in range(1, ctx.pool.max_board + 1)]
     stages += [(size, True) for size in range(2, len(ctx.pool.free) + 1)] if want.mix_cards else []
-    exact = ctx.pool.exact(tuple(sorted(want.gpus))) if want.gpus is not None else None
+    exact = ctx.pool.exact(_exact(ctx, want)) if _exact(ctx, want) is not None else None
     if exact is not None:  # the fleet names the cards: that one set, however they are joined
         stages = [(exact.size, exact.spans)]
     for (size, spans), ubatch in ((stage, ubatch) for stage in stages for ubatch in RESIDENT_UBATCHES):
@@ -354,7 +374,9 @@ def _resident(entry: ModelEntry, model: MemoryModel, want: WantedModel,
             if best is not None:
                 gset, fit = best
                 archs = {ctx.pool.gpus[i].arch for i in gset.gpus}
-                nccl = split == "tensor" and any(e.nccl and _runs(e, archs) for e in ctx.catalog.engines.values())
+                pinned_engine = ctx.catalog.engines.get(entry.engine)
+                nccl = split == "tensor" and (pinned_engine.nccl if pinned_engine is not None else
+                                              any(e.nccl and _runs(e, archs) for e in ctx.catalog.engines.values()))
                 engine = _engine(ctx.catalog, family, nccl=nccl, preferred=entry.engine, archs=archs)
                 reasons = [_engine_reason(entry, engine, split=split, instead_of=first if family != first else None),
                            _cards_reason(ctx, gset, engine), *_placement_reasons(entry, gset, fit, split, engine, ctx,
@@ -374,20 +396,20 @@ def _offload(entry: ModelEntry, model: MemoryModel, want: WantedModel,
     if not isinstance(model, SpecMemory) or not model.spec.n_expert:
         return (f"expert offload needs the model's shape (which tensors are experts); {entry.id} has none in the "
                 f"catalog: add arch/hparams or plan it from its GGUF header")
-    first = "upstream" if entry.sliding_window else "ik"
+    first = "upstream" if entry.sliding_window or ctx.router else "ik"
     families = [first] + (["upstream"] if first != "upstream" and entry.engine not in ctx.catalog.engines else [])
     options: list[tuple[str, GpuSet]] = []
     for family in families:
         ok = usable(ctx, entry, want, family)
-        if want.gpus is not None:
-            exact = ctx.pool.exact(tuple(sorted(want.gpus)))
+        if _exact(ctx, want) is not None:
+            exact = ctx.pool.exact(_exact(ctx, want))
             gset = exact if ok(exact.gpus) else None
         else:
             gset = ctx.pool.largest_free_board(ok)
         if gset is not None:
             options.append((family, gset))
     if not options:
-        return "no free NVLink board is left for it" if not want.pinned else "no engine build runs on those cards"
+        return "no free NVLink board is left for it" if not _held(ctx, want) else "no engine build runs on those cards"
     family, gset = max(options, key=lambda option: (option[1].total_mib, option[0] == first))
     others = [other for other in options if other[0] != family]
     req = _request(entry, model, want, "ik" if family == "ik" else "upstream", offload=True)
@@ -398,7 +420,7 @@ def _offload(entry: ModelEntry, model: MemoryModel, want: WantedModel,
     resident_req = _request(entry, model, want, "ik" if family == "ik" else "upstream", ubatch=RESIDENT_UBATCHES[-1])
     whole = fitting.fit_resident(model, resident_req, gset, "none" if gset.size == 1 else "layer")
     reasons = [_engine_reason(entry, engine, offload=True, instead_of=first if family != first else None),
-               _cards_reason(ctx, gset, engine), *([_pin_reason(want, gset)] if want.pinned else []),
+               _cards_reason(ctx, gset, engine), *([_pin_reason(want, gset, ctx)] if _held(ctx, want) else []),
                *_offload_reasons(entry, gset, result, engine, req, whole if isinstance(whole, Miss) else None,
                                  others[0][1] if others else None, ctx),
                fitting.margin_reason(result, gset.gpus), fitting.host_reason(result)]
@@ -411,7 +433,7 @@ def _across_boards(entry: ModelEntry, model: MemoryModel, want: WantedModel,
 
     Cards of one kind unless the fleet lets the model mix them; each board's cards keep their NVLink and the
     boards are joined by PCIe, so only each layer boundary's activations cross between them."""
-    if want.pinned:
+    if _held(ctx, want):
         return None
     last_miss: tuple[GpuSet, Miss] | None = None
     preferred = _family(entry, ctx.catalog)
@@ -456,7 +478,10 @@ def _ctx_reason(fit: Fit, req: Request) -> str:
             f"that reaches it, {fit.cache} (largest context per cache type: {options})")
 
 
-def _pin_reason(want: WantedModel, gset: GpuSet) -> str:
+def _pin_reason(want: WantedModel, gset: GpuSet, ctx: Context | None = None) -> str:
+    if ctx is not None and ctx.within is not None and want.gpus is None:
+        return (f"on the cards of its on-demand group, {gset.describe()}, planned as if it ran there alone (the "
+                f"group's models take turns on them)")
     if want.gpus is not None:
         return f"pinned by the fleet to {want.pinned}: these cards and no others"
     return (f"pinned by the fleet to {want.pinned}: the fewest cards of that board that hold it "
@@ -498,8 +523,8 @@ def _placement_reasons(entry: ModelEntry, gset: GpuSet, fit: Fit, split: str, en
                        model: MemoryModel | None = None) -> list[str]:
     per_card = ", ".join(f"GPU {g}: {mib(v)} of {m}" for g, v, m in zip(gset.gpus, fit.device_mib, gset.memory_mib))
     reasons = []
-    if want is not None and want.pinned:
-        reasons.append(_pin_reason(want, gset))
+    if want is not None and _held(ctx, want):
+        reasons.append(_pin_reason(want, gset, ctx))
     if boards and want is not None:
         reasons += _boards_reasons(entry, model, gset, per_card, req, boards, want, ctx)
     elif gset.size == 1:
@@ -510,13 +535,13 @@ def _placement_reasons(entry: ModelEntry, gset: GpuSet, fit: Fit, split: str, en
         if len(gset.board) > 1:
             reasons.append(f"one card of {board_label(ctx, gset)} ({len(gset.board)} cards); the rest stay free for "
                            f"other models")
-    elif gset.spans and want is not None and want.gpus is not None:
+    elif gset.spans and want is not None and _exact(ctx, want) is not None:
         reasons.append(f"split across the {gset.size} cards it is pinned to, which are not one NVLink board: "
                        f"{gset.describe()}: {per_card} MiB estimated; each token crosses PCIe between them, slower "
                        f"than one board")
         reasons.append("layer split (-sm layer): each card holds whole layers, so only the activations cross PCIe at "
                        "each boundary; never tensor split across boards")
-    elif want is not None and want.gpus is not None:
+    elif want is not None and _exact(ctx, want) is not None:
         reasons.append(f"split across the {gset.size} cards it is pinned to, inside one NVLink board, "
                        f"{gset.describe()}: {per_card} MiB estimated")
     elif gset.spans:
@@ -531,7 +556,7 @@ def _placement_reasons(entry: ModelEntry, gset: GpuSet, fit: Fit, split: str, en
             f"does not fit one card at {req.min_ctx if not req.explicit else req.target_ctx} tokens of context; "
             f"{gset.size} cards inside one NVLink board, {gset.describe()}: {per_card} MiB estimated; never across "
             f"boards, where every step would cross PCIe/NUMA")
-        if want is None or want.gpus is None:
+        if want is None or _exact(ctx, want) is None:
             reasons.append(f"the fattest links free for {gset.size} cards: NVLink x{gset.min_links} per pair "
                            f"({board_label(ctx, gset)})")
     if gset.size > 1:
@@ -649,7 +674,7 @@ def _runnable(ctx: Context, entry: ModelEntry, cards: Iterable[int]) -> list[int
 def _mix_hint(ctx: Context, entry: ModelEntry, want: WantedModel) -> str:
     """What mix_cards would allow, when the free cards this model could run on lie on several boards or kinds."""
     free = _runnable(ctx, entry, ctx.pool.free)
-    if want.mix_cards or want.pinned or len(free) < 2:
+    if want.mix_cards or _held(ctx, want) or len(free) < 2:
         return ""
     kinds = {ctx.pool.gpus[i].arch for i in free}
     boards = {ctx.pool.board_of(i) for i in free}
@@ -682,13 +707,14 @@ def place_gpu(entry: ModelEntry, model: MemoryModel, want: WantedModel, ctx: Con
     """Resident on the fewest cards of one board; else, as ``spill`` says, experts in host RAM inside one board
     (``host``) or the whole model across the fewest boards (``boards``); unset: host when the model can, else
     boards. A pinned model only ever takes its own cards."""
-    if problem := pin_problem(ctx, entry, model, want):
+    if ctx.within is None and (problem := pin_problem(ctx, entry, model, want)):
         return problem
     pin = pin_cards(ctx, want)
     cards = [i for i in ctx.pool.gpus if pin is None or i in pin]
     if not _runnable(ctx, entry, cards):
         families = " or ".join(sorted({_FAMILY_NAMES.get(f, f) for f in (_family(entry, ctx.catalog), "upstream")}))
-        where = "this box's cards" if pin is None else f"the cards it is pinned to ({want.pinned})"
+        where = ("this box's cards" if pin is None else f"the cards it is pinned to ({want.pinned})" if want.pinned
+                 else "its on-demand group's cards")
         return (f"{entry.id} ({fitting.weights_mib(model)} MiB weights): no build of {families} in the engine catalog "
                 f"runs on {where} ({_kinds(ctx, cards)}); declare a pack whose cuda_archs include theirs")
     if not _runnable(ctx, entry, [i for i in cards if i not in ctx.pool.taken]):
@@ -699,7 +725,9 @@ def place_gpu(entry: ModelEntry, model: MemoryModel, want: WantedModel, ctx: Con
     if isinstance(resident, Placement):
         return _host_ram_problem(entry, model, resident, ctx) or resident
     gset, miss = resident if resident else (None, None)
-    pinned = _pinned_refusal(want) if want.pinned else ""
+    pinned = (_pinned_refusal(want) if want.pinned else
+              "; the models of an on-demand group share its cards, and this one does not fit them alone"
+              if ctx.within is not None else "")
     boards: Placement | tuple[GpuSet, Miss] | None = None
     if want.spill == "boards":
         boards = _across_boards(entry, model, want, ctx)
@@ -715,7 +743,7 @@ def place_gpu(entry: ModelEntry, model: MemoryModel, want: WantedModel, ctx: Con
     if isinstance(offload, Placement):
         if problem := _host_ram_problem(entry, model, offload, ctx):
             return problem
-        if not want.pinned:
+        if not _held(ctx, want):
             alternative = _across_boards(entry, model, want, ctx)
             if isinstance(alternative, Placement):
                 offload.reasons.insert(3, _boards_alternative(entry, want, alternative, ctx))
@@ -723,7 +751,7 @@ def place_gpu(entry: ModelEntry, model: MemoryModel, want: WantedModel, ctx: Con
                     if index not in offload.gpus.gpus:
                         ctx.spill_alternatives[index] = entry.id
         return offload
-    if not want.pinned:
+    if not _held(ctx, want):
         boards = _across_boards(entry, model, want, ctx)
         if isinstance(boards, Placement) and want.spill is None:
             return _host_ram_problem(entry, model, boards, ctx) or boards

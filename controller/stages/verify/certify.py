@@ -128,9 +128,16 @@ def endpoint_check(service: Service, answers: Mapping[str, Any], box: Box, *, to
     tooled = (f"a tool call went out as {tool.get('tool_name')!r} and its result came back "
               f"({tool.get('final_stop_reason')})" if tool_calls else "no tool call (the catalog says the model's "
               "template makes none)")
+    served = service.model if service.on_demand is None else ", ".join(service.models) + " on demand"
+    loads = ""
+    if service.on_demand is not None:  # each model's first turn, which loaded it when the router had another loaded
+        turns = ", ".join(f"{model} {((checked.get('models') or {}).get(model) or {}).get('openai', {}).get('seconds', '?')} s"
+                          for model in service.models)
+        loads = f"; each model's first turn, its load included: {turns}"
     return check(f"endpoint {service.name}", "endpoints", True,
-                 f"health ok; serves {service.model}; OpenAI and Anthropic APIs answered; {tooled}; both APIs "
-                 f"streamed to the end; {'the key is required' if (checked.get('auth') or {}).get('required') else 'no key'}")
+                 f"health ok; serves {served}; OpenAI and Anthropic APIs answered; {tooled}; both APIs "
+                 f"streamed to the end; {'the key is required' if (checked.get('auth') or {}).get('required') else 'no key'}"
+                 f"{loads}")
 
 
 def parse_events(lines: Sequence[str]) -> list[dict[str, Any]]:

@@ -58,6 +58,8 @@ class ServiceStatus:
     enabled: str = ""  # systemd's UnitFileState
     engine: str = ""  # the engine slot and the version its current link points at, e.g. "cpu 0c1e570"
     error: str = ""  # why it is not healthy
+    models: list[str] = field(default_factory=list)  # every model it answers (an on-demand router's several)
+    loaded: list[str] | None = None  # an on-demand router: the models loaded now; None for an ordinary server
 
 
 @dataclass
@@ -247,15 +249,25 @@ def box_status(box: Box, plan: ServePlan | None, answers: Mapping[str, Any] | No
         unit = units.get(service.name) or {}
         server = servers.get(service.name) or {}
         served = list(server.get("served_ids") or [])
-        healthy = server.get("health") == "ok" and service.model in served and not server.get("error")
+        models = service.models or [service.model]
+        missing = [model for model in models if model not in served]
+        healthy = server.get("health") == "ok" and not missing and not server.get("error")
+        error = "" if healthy else (server.get("error") or (f"/health says {server.get('health')}"
+                                                            if server.get("health") != "ok" else
+                                                            f"does not list {', '.join(missing)}"))
         status.services.append(ServiceStatus(
             model=service.model, port=service.port, active=unit.get("active") == "active", healthy=healthy,
             served_model=service.model if service.model in served else (served[0] if served else None),
             name=service.name, state=f"{unit.get('active', '?')}/{unit.get('sub', '?')}",
-            enabled=unit.get("enabled", ""), error="" if healthy else (server.get("error") or
-                                                                       f"/health says {server.get('health')}")))
+            enabled=unit.get("enabled", ""), error=error, models=models,
+            loaded=([model for model in server.get("loaded_ids") or [] if model in models]
+                    if service.on_demand is not None else None)))
         status.drift += _unit_drift(service.name, unit, _edited(answers, f"/{service.name}.service"),
                                     _edited(answers, f"/{service.name}.env"), provision)
+        if service.on_demand is not None and _edited(answers, service.on_demand.preset_file):
+            status.drift.append(Drift("preset-edited", f"{service.on_demand.preset_file} differs from the plan's "
+                                      f"models of {service.name}",
+                                      f"{provision} (rewrites it and restarts the router)"))
         locked_service = locked.services.get(service.name) if locked is not None else None
         if locked is not None and locked_service is None:
             status.drift.append(Drift("service-not-in-lock", f"the plan has {service.name}, the lock does not",

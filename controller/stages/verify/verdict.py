@@ -63,15 +63,28 @@ def expects_key(box: Box) -> bool:
 
 
 def check_service(service: Service, checked: Mapping[str, Any], *, key_required: bool = False) -> ServiceVerdict:
-    """The rules of llama_api_check, applied to what it recorded for one server."""
+    """The rules of llama_api_check, applied to what it recorded for one server (for an on-demand router, for each
+    of its models: a model with no answer recorded was not checked)."""
     if not checked:
         return ServiceVerdict(service.name, ("no answer recorded: the checks did not run to the end",))
+    if service.on_demand is None:
+        return ServiceVerdict(service.name, tuple(_problems(service.model, checked, key_required)))
+    per_model = checked.get("models") or {}
+    problems = []
+    for item in service.on_demand.models:
+        answer = per_model.get(item.id)
+        found = _problems(item.id, answer, key_required) if answer else ["no answer recorded: it was not checked"]
+        problems += [f"{item.id}: {problem}" for problem in found]
+    return ServiceVerdict(service.name, tuple(problems))
+
+
+def _problems(model: str, checked: Mapping[str, Any], key_required: bool) -> list[str]:
     problems = []
     if checked.get("health") != "ok":
         problems.append(f"/health says {checked.get('health')}")
     served = list(checked.get("served_ids") or [])
-    if service.model not in served:
-        problems.append(f"serves {served}, not {service.model}")
+    if model not in served:
+        problems.append(f"serves {served}, not {model}")
     openai = (checked.get("openai") or {}).get("object")
     if openai != "chat.completion":
         problems.append(f"the OpenAI API answered {openai!r}, not a chat.completion")
@@ -86,7 +99,7 @@ def check_service(service: Service, checked: Mapping[str, Any], *, key_required:
                                 "the server does not check its API key")
     elif key_required:
         problems.append("checked without an API key, but the box's servers must require one")
-    return ServiceVerdict(service.name, tuple(problems))
+    return problems
 
 
 def verdict(plan: ServePlan, answers: Mapping[str, Any], run: RunResult | None, *,
@@ -117,4 +130,6 @@ def report_fields(answers: Mapping[str, Any], outcome: Verdict, name: str) -> di
         "openai": checked.get("openai"),
         "anthropic": checked.get("anthropic"),
         "auth": checked.get("auth"),  # {required, anonymous_status, wrong_key_status}
+        # an on-demand router: each model's answers (its OpenAI turn's seconds include its load when it was not loaded)
+        **({"models": checked["models"]} if checked.get("models") else {}),
     }

@@ -45,6 +45,13 @@ health:
   description: The C(status) field of C(/health); C(unreachable) when a request got no usable answer.
   type: str
   returned: always
+loaded_ids:
+  description:
+    - Model ids of C(/v1/models) that are loaded now (a router lists each model with its status; an ordinary
+      server's model is loaded whenever it answers).
+  type: list
+  elements: str
+  returned: when the server is healthy
 served_ids:
   description: Model ids listed by C(/v1/models).
   type: list
@@ -55,6 +62,10 @@ openai:
   type: dict
   returned: when the server is healthy and I(chat) is true
   contains:
+    seconds:
+      description:
+        - Seconds from the request to the whole reply; for an on-demand model that was not loaded, its load too.
+      type: float
     object:
       description: The reply's C(object), C(chat.completion) when it answered.
       type: str
@@ -419,15 +430,20 @@ def check(base_url, model, api_key, prompt, max_tokens, timeout, chat=True, cert
     problems = [] if result["health"] == "ok" else [f"/health says {result['health']}"]
     listed = call(base_url, "/v1/models", headers, timeout)
     result["served_ids"] = [item.get("id") for item in listed.get("data", [])]
+    # a router lists each model with its status; an ordinary server's one model is always loaded
+    result["loaded_ids"] = [item.get("id") for item in listed.get("data", [])
+                            if (item.get("status") or {}).get("value", "loaded") == "loaded"]
     if model not in result["served_ids"]:
         problems.append(f"serves {result['served_ids']}, not {model}")
     if not chat:
         return result, problems
     messages = [{"role": "user", "content": prompt}]
+    started = time.monotonic()
     openai = call(base_url, "/v1/chat/completions", headers, timeout,
                   {"model": model, "messages": messages, "max_tokens": max_tokens})
     choice = (openai.get("choices") or [{}])[0].get("message") or {}
     result["openai"] = {
+        "seconds": round(time.monotonic() - started, 3),
         "object": openai.get("object", ""),
         "completion_tokens": (openai.get("usage") or {}).get("completion_tokens", 0),
         "tokens_per_second": round((openai.get("timings") or {}).get("predicted_per_second", 0), 2),

@@ -7,7 +7,8 @@
 # RETURN (as llama_api_check.py's RETURN):
 #   health: str
 #   served_ids: list
-#   openai: dict (object, completion_tokens, tokens_per_second, text)
+#   loaded_ids: list
+#   openai: dict (seconds, object, completion_tokens, tokens_per_second, text)
 #   anthropic: dict (type, output_tokens, stop_reason, text)
 #   auth: dict (required, anonymous_status, wrong_key_status)
 #   tool_call: dict (ok, tool_use, tool_name, stop_reason, final_stop_reason, detail)
@@ -130,7 +131,7 @@ function Send-Request {
 function Stop-Unreachable {
     # As the Linux module: a request that gets no usable answer fails the module with health "unreachable".
     param ([Parameter(Mandatory)][string]$Reason)
-    foreach ($field in @('served_ids', 'openai', 'anthropic', 'auth', 'tool_call', 'streams', 'throughput')) {
+    foreach ($field in @('served_ids', 'loaded_ids', 'openai', 'anthropic', 'auth', 'tool_call', 'streams', 'throughput')) {
         $null = $module.Result.Remove($field)
     }
     $module.Result.health = 'unreachable'
@@ -227,6 +228,10 @@ if ($module.Result.health -ne 'ok') {
 
 $listed = Invoke-Json -Path '/v1/models' -Headers $headers
 $module.Result.served_ids = @(@(Get-Field $listed @('data') @()) | ForEach-Object { [string](Get-Field $_ @('id') '') })
+# a router lists each model with its status; an ordinary server's one model is always loaded
+$module.Result.loaded_ids = @(@(Get-Field $listed @('data') @()) |
+    Where-Object { [string](Get-Field $_ @('status', 'value') 'loaded') -eq 'loaded' } |
+    ForEach-Object { [string](Get-Field $_ @('id') '') })
 if ($module.Result.served_ids -notcontains $model) {
     $problems.Add("serves ['$($module.Result.served_ids -join "', '")'], not $model")
 }
@@ -243,9 +248,12 @@ if (-not $module.Params.chat) {
 $messages = @(@{ role = 'user'; content = $module.Params.prompt })
 $chat = @{ model = $model; messages = $messages; max_tokens = $module.Params.max_tokens }
 
+$watch = [System.Diagnostics.Stopwatch]::StartNew()
 $openai = Invoke-Json -Path '/v1/chat/completions' -Headers $headers -Body $chat
+$watch.Stop()
 $choice = @(Get-Field $openai @('choices') @()) | Select-Object -First 1
 $module.Result.openai = @{
+    seconds = [math]::Round($watch.Elapsed.TotalSeconds, 3)
     object = [string](Get-Field $openai @('object') '')
     completion_tokens = [int](Get-Field $openai @('usage', 'completion_tokens') 0)
     tokens_per_second = [math]::Round([double](Get-Field $openai @('timings', 'predicted_per_second') 0), 2)

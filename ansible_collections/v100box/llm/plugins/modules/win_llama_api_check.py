@@ -30,6 +30,11 @@ health:
   description: As M(v100box.llm.llama_api_check) returns it.
   type: str
   returned: always
+loaded_ids:
+  description: As M(v100box.llm.llama_api_check) returns it.
+  type: list
+  elements: str
+  returned: when the server is healthy
 served_ids:
   description: As M(v100box.llm.llama_api_check) returns it.
   type: list
