@@ -129,6 +129,8 @@ class LockedService(_Strict):
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     template: str | None = None
+    # an on-demand router's models: each one's preset section (its flags live there, not in args); None otherwise
+    on_demand: dict[str, dict[str, str]] | None = None
 
 
 class BoxLock(_Strict):
@@ -198,7 +200,9 @@ def box_entry(box: Box, profile: HardwareProfile | None, plan: ServePlan, templa
                    if name in plan.templates()},
         services={service.name: LockedService(model=service.model, engine=service.engine, host=service.host,
                                               port=service.port, args=list(service.args), env=dict(service.env),
-                                              template=service.template)
+                                              template=service.template,
+                                              on_demand={item.id: dict(item.preset) for item in service.on_demand.models}
+                                              if service.on_demand is not None else None)
                   for service in plan.services},
         gateway=plan.gateway.model_dump(mode="json") if plan.gateway else None,
     )
@@ -279,7 +283,7 @@ def differences(locked: BoxLock, fresh: BoxLock) -> list[str]:
     lines += _keyed("model file", locked.models, fresh.models, ("id", "sha256", "size_bytes"))
     lines += _keyed("chat template", locked.templates, fresh.templates, ("sha256",))
     lines += _keyed("service", locked.services, fresh.services,
-                    ("model", "engine", "host", "port", "args", "env", "template"))
+                    ("model", "engine", "host", "port", "args", "env", "template", "on_demand"))
     if locked.gateway != fresh.gateway:
         lines.append("gateway: the planned gateway differs from the lock's")
     return lines

@@ -275,7 +275,9 @@ def box_status(box: Box, plan: ServePlan | None, answers: Mapping[str, Any] | No
         elif locked_service is not None:
             differs = [what for what, mine, theirs in (
                 ("port", service.port, locked_service.port), ("model", service.model, locked_service.model),
-                ("arguments", service.args, locked_service.args), ("environment", service.env, locked_service.env))
+                ("arguments", service.args, locked_service.args), ("environment", service.env, locked_service.env),
+                ("on-demand models", {item.id: item.preset for item in service.on_demand.models}
+                 if service.on_demand is not None else None, locked_service.on_demand))
                 if mine != theirs]
             if differs:
                 status.drift.append(Drift("plan-differs-from-lock", f"{service.name}: the plan's "

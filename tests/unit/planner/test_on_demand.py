@@ -143,3 +143,17 @@ def test_the_catalog_names_router_mode_only_where_the_engine_has_it():
     cat: Catalog = catalog()
     assert cat.engine("cpu-0c1e570").router is not None and cat.engine("upstream-02182fc").router is not None
     assert cat.engine("ik-022bd00a").router is None
+
+
+def test_the_lock_records_each_on_demand_models_flags_and_names_a_change():
+    from controller.actions.lock import box_entry, differences
+
+    box = parse_fleet({"boxes": {"b": {"address": "127.0.0.1", "models": [
+        {"id": GEMMA, "on_demand": True}, {"id": QWEN, "on_demand": True}]}}}, Path("fleet.yml")).box("b")
+    before = plan(SINGLE, W(id=GEMMA, on_demand=True), W(id=QWEN, on_demand=True))
+    after = plan(SINGLE, W(id=GEMMA, on_demand=True), W(id=QWEN, ctx=32768, on_demand=True))
+    assert before.services[0].args == after.services[0].args  # the router's own line does not show it
+    locked, fresh = box_entry(box, None, before, {}), box_entry(box, None, after, {})
+    assert locked.services["llama-on-demand"].on_demand[QWEN]["ctx-size"] == str(before.services[0].on_demand.models[1].ctx)
+    (line,) = [line for line in differences(locked, fresh) if "on_demand" in line]
+    assert line.startswith("service llama-on-demand: on_demand is now")
