@@ -390,8 +390,8 @@ def _group_on_cards(unit: Sequence[int], order: Sequence[int], group: str, name:
         for i in unit:
             out[i] = Unplaced(model=entries[i].id, reason=(
                 f"{entries[i].id}: on-demand group {group} would run on {engine.id}, which has no router mode in the "
-                f"engine catalog (ik_llama.cpp at 022bd00a has none), so it cannot load models on demand; give the "
-                f"group's models an upstream engine (engine:) or drop on_demand"))
+                f"engine catalog, so it cannot load models on demand; declare router: on that engine's entry if the "
+                f"build has it (upstream llama.cpp does; ik_llama.cpp at 022bd00a does not), or drop on_demand"))
         return out
     cards = where.gpus.gpus if where.gpus is not None else ()
     placed = {first: where}
@@ -412,17 +412,22 @@ def _group_on_cards(unit: Sequence[int], order: Sequence[int], group: str, name:
     loaded, loaded_reason = _max_loaded(list(members.values()), cards, ctx, on_demand_max)
     preset_file = box_path(os, PRESET_DIR[os], f"{name}.ini")
     ordered = [i for i in unit if i in members]
+    sections = {}
+    for i in ordered:
+        try:
+            sections[i] = preset_section(members[i][0].args)
+        except ValueError as exc:
+            raise PlanError(f"{entries[i].id} in on-demand group {group}: {exc}") from None
     lead = members[ordered[0]][0]
     on_demand = OnDemandPlan(group=group, max_loaded=loaded, preset_file=preset_file,
                              key_file_env=engine.router.key_file_env, models=[
         OnDemandModel(id=member.model, model_file=member.model_file, template=member.template, ctx=member.ctx,
                       parallel=member.parallel, cache_type_k=member.cache_type_k, cache_type_v=member.cache_type_v,
                       gpus=member.gpus, split_mode=member.split_mode, cpu_offload=member.cpu_offload,
-                      preset=preset_section(member.args) | (
-                          {engine.router.stop_timeout: str(GPU_STOP_TIMEOUT_S)} if cards else {}),
+                      preset=sections[i] | ({engine.router.stop_timeout: str(GPU_STOP_TIMEOUT_S)} if cards else {}),
                       memory=member.memory, draft=member.draft,
                       reasons=[r for r in member.reasons if not r.startswith(("port ", "API key required"))])
-        for member in (members[i][0] for i in ordered)])
+        for i, member in ((i, members[i][0]) for i in ordered)])
     devices = sorted({device for member, _ in members.values() for device in member.memory.per_device_mib})
     resident = {device: round(sum(sorted((m.memory.per_device_mib.get(device, 0) for m, _ in members.values()),
                                           reverse=True)[:loaded])) for device in devices}

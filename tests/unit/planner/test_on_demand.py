@@ -157,3 +157,12 @@ def test_the_lock_records_each_on_demand_models_flags_and_names_a_change():
     assert locked.services["llama-on-demand"].on_demand[QWEN]["ctx-size"] == str(before.services[0].on_demand.models[1].ctx)
     (line,) = [line for line in differences(locked, fresh) if "on_demand" in line]
     assert line.startswith("service llama-on-demand: on_demand is now")
+
+
+def test_a_model_folder_the_preset_file_cannot_hold_is_one_clear_error():
+    from controller.errors import PlanError
+    from controller.stages.planner import plan_models
+
+    with pytest.raises(PlanError, match="in on-demand group default: --model .* cannot be written in the router's "
+                                        "preset file"):
+        plan_models([W(id=GATE, on_demand=True)], profile(SINGLE), catalog(), model_dir="/models ;old")
