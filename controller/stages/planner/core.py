@@ -314,6 +314,16 @@ def _group_name(group: str) -> str:
     return "llama-on-demand" if group == "default" else service_name(f"on-demand-{group}")
 
 
+def _member_reasons(member: Service, catalogued: ModelEntry, want: WantedModel) -> list[str]:
+    """A group model's own reasons: its port and key are the router's (the group's reasons say so), and its engine
+    is upstream's where the catalog names ik_llama.cpp, which has no router mode."""
+    reasons = [r for r in member.reasons if not r.startswith(("port ", "API key required"))]
+    if catalogued.engine == "ik" and want.engine is None and reasons and reasons[0].startswith("engine "):
+        reasons[0] = (f"engine {member.engine}, upstream llama.cpp: served on demand by its router mode; the catalog "
+                      f"entry of {member.model} names ik_llama.cpp, which has no router mode at 022bd00a")
+    return reasons
+
+
 def _max_loaded(members: Sequence[tuple[Service, float]], cards: Sequence[int], ctx: Context,
                 cap: int | None) -> tuple[int, str]:
     """How many of the group's models may be loaded at once, and why: the most whose largest estimates, card by
@@ -426,7 +436,7 @@ def _group_on_cards(unit: Sequence[int], order: Sequence[int], group: str, name:
                       gpus=member.gpus, split_mode=member.split_mode, cpu_offload=member.cpu_offload,
                       preset=sections[i] | ({engine.router.stop_timeout: str(GPU_STOP_TIMEOUT_S)} if cards else {}),
                       memory=member.memory, draft=member.draft,
-                      reasons=[r for r in member.reasons if not r.startswith(("port ", "API key required"))])
+                      reasons=_member_reasons(member, ctx.catalog.model(wanted[i].id), wanted[i]))
         for i, member in ((i, members[i][0]) for i in ordered)])
     devices = sorted({device for member, _ in members.values() for device in member.memory.per_device_mib})
     resident = {device: round(sum(sorted((m.memory.per_device_mib.get(device, 0) for m, _ in members.values()),

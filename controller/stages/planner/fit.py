@@ -132,16 +132,19 @@ def _host_detail(model: MemoryModel, s: Settings) -> tuple[float, str]:
     return 0.0, "allowance"
 
 
-def margin_reason(fit: Fit, card_ids: tuple[int, ...]) -> str:
-    """Per card: the estimate, what stays free, and why that is enough."""
+def margin_reason(fit: Fit, card_ids: tuple[int, ...], family: str = "ik") -> str:
+    """Per card: the estimate, what stays free, and why that is enough (``family``: the engine's, for an offload)."""
     free = [m - v for v, m in zip(fit.device_mib, fit.card_mib)]
     cards = ", ".join(f"GPU {g}: {v:.0f} of {m} MiB, {f:.0f} MiB free"
                       for g, v, m, f in zip(card_ids, fit.device_mib, fit.card_mib, free))
     low, high = MEASURED_UNACCOUNTED_MIB
     spare = CUDA_OVERHEAD_MIB + RESIDENT_MARGIN_MIB - high
-    if fit.fit_margin:
+    if fit.fit_margin and family == "ik":
         kept = (f"ik_llama.cpp's --fit keeps {fit.fit_margin} MiB free on each card itself and moves experts to "
                 f"the host until it does")
+    elif fit.fit_margin:
+        kept = (f"{fit.fit_margin} MiB is kept free on each card: --n-cpu-moe puts the experts of enough layers in "
+                f"host RAM to leave it")
     else:
         kept = f"at least {RESIDENT_MARGIN_MIB} MiB is kept free on each card beyond the estimate"
     if fit.compute_model == "graph":

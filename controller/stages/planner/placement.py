@@ -423,7 +423,7 @@ def _offload(entry: ModelEntry, model: MemoryModel, want: WantedModel,
                _cards_reason(ctx, gset, engine), *([_pin_reason(want, gset, ctx)] if _held(ctx, want) else []),
                *_offload_reasons(entry, gset, result, engine, req, whole if isinstance(whole, Miss) else None,
                                  others[0][1] if others else None, ctx),
-               fitting.margin_reason(result, gset.gpus), fitting.host_reason(result)]
+               fitting.margin_reason(result, gset.gpus, engine.family), fitting.host_reason(result)]
     return Placement(gset, result, engine, True, reasons, req.ubatch)
 
 
@@ -612,7 +612,9 @@ def _offload_reasons(entry: ModelEntry, gset: GpuSet, fit: Fit, engine: EngineEn
     else:
         why = (f"these cards ({gset.total_mib} MiB) keep more of the model on the GPU than the largest free board an "
                f"ik_llama.cpp build runs on ({other.total_mib} MiB), which outweighs ik's faster CPU expert kernels"
-               if other is not None else "no ik_llama.cpp build of the engine catalog runs on these cards")
+               if other is not None else
+               "it is served on demand, by upstream's router mode, which ik_llama.cpp (022bd00a) does not have"
+               if ctx.router else "no ik_llama.cpp build of the engine catalog runs on these cards")
         reasons.append(f"--n-cpu-moe {n_layers} on upstream llama.cpp: {why}")
     reasons.append(_ctx_reason(fit, req))
     reasons.append("cache q8_0 or smaller with offload: every MiB of KV on the card pushes more experts to the CPU "

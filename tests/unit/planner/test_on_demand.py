@@ -46,6 +46,11 @@ def test_the_kits_two_models_on_one_16_gb_card_take_turns_behind_one_port():
     assert gemma.ctx != qwen.ctx and gemma.preset["ctx-size"] == str(gemma.ctx)
     assert any("--models-max 1: at most 1 of the 2 models fit at once" in reason for reason in service.reasons)
     assert any("upstream rather than the ik_llama.cpp its catalog entry names" in r for r in service.reasons)
+    # The member's own reasons are true of it in the group: its engine, its offload flag, who keeps the margin.
+    assert qwen.reasons[0].startswith("engine upstream-02182fc, upstream llama.cpp: served on demand by its router")
+    assert any(r.startswith("--n-cpu-moe") and "served on demand, by upstream's router mode" in r for r in qwen.reasons)
+    assert not any("ik_llama.cpp's --fit keeps" in r or "asks for it" in r for r in qwen.reasons)
+    assert not any(r.startswith(("port ", "API key required")) for item in group.models for r in item.reasons)
     assert any("LLAMA_ARG_API_KEY_FILE" in reason and "refuse a request without it" in reason
                for reason in service.reasons)
     assert service.memory.per_device_mib["cuda0"] <= 16384

@@ -76,6 +76,8 @@ def test_unpinned_the_planner_says_which_spill_it_chose_and_the_idle_board_says_
     result = plan(TWELVE, BIG122, IQ4, GEMMA)
     big = next(s for s in result.services if s.model == BIG122)
     assert big.cpu_offload and len(big.gpus) == 4
+    # The catalog names upstream for it; ik_llama.cpp is chosen for its offload, and the reason says so.
+    assert big.engine.startswith("ik-") and "the catalog entry of qwen3.5-122b-a10b-q8_0 names upstream" in big.reasons[0]
     assert said(big, "experts in host RAM inside one board rather than the whole model across boards",
                 "the fleet chooses with spill: host or spill: boards", "spill: boards would hold", "at 131072 tokens")
     idle = {gpu.index: gpu.reason for gpu in result.idle_gpus}
