@@ -204,6 +204,7 @@ def plan_models(wanted: Sequence[WantedModel], profile: HardwareProfile, catalog
     ``headers`` maps catalog ids to a GGUF path/URL (or a header already read) whose header is used
     instead of the catalog's hyperparameters.
     """
+    wanted = _group_pins(wanted)
     problem = profile.gpu_index_problem()
     if problem:  # the indices become CUDA_VISIBLE_DEVICES: never plan on a profile that misnames the GPUs
         raise ProbeError(f"the hardware profile cannot be planned for: {problem}; probe the box again")
@@ -301,6 +302,15 @@ def plan_models(wanted: Sequence[WantedModel], profile: HardwareProfile, catalog
     idle = [IdleGpu(index=gpu.index, name=gpu.name, arch=gpu.arch, reason=why) for gpu, why in idle_cards(ctx)]
     return ServePlan(fits=not unplaced, services=services, unplaced=unplaced, os=os, model_dir=model_dir,
                      template_dir=template_dir, engines=engines, models=list(files.values()), idle_gpus=idle)
+
+
+def _group_pins(wanted: Sequence[WantedModel]) -> list[WantedModel]:
+    """Where an on-demand group runs, as one of its models says it (gpus, board, spill, mix_cards), for all of them:
+    whichever model is the largest is placed with it (the fleet file refuses a group whose models disagree)."""
+    placement = ("gpus", "board", "spill", "mix_cards")
+    stated = {want.group: {key: getattr(want, key) for key in placement} for want in wanted
+              if want.group is not None and (want.pinned or want.spill or want.mix_cards)}
+    return [want.model_copy(update=stated[want.group]) if want.group in stated else want for want in wanted]
 
 
 def _on_router(entry: ModelEntry, want: WantedModel, catalog: Catalog) -> ModelEntry:

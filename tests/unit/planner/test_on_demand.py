@@ -171,3 +171,10 @@ def test_a_model_folder_the_preset_file_cannot_hold_is_one_clear_error():
     with pytest.raises(PlanError, match="in on-demand group default: --model .* cannot be written in the router's "
                                         "preset file"):
         plan_models([W(id=GATE, on_demand=True)], profile(SINGLE), catalog(), model_dir="/models ;old")
+
+
+def test_a_pin_on_any_model_of_a_group_places_the_whole_group():
+    # The pin is on the smaller model; the largest, placed first, takes the group to those cards too.
+    service = _service(plan(TWELVE, W(id=GATE, ctx=8192, on_demand=True, gpus=[6]),
+                            W(id=GEMMA, ctx=8192, on_demand=True)))
+    assert service.gpus == [6] and all(item.gpus == [6] for item in service.on_demand.models)
