@@ -163,3 +163,15 @@ def test_the_report_says_why_a_cpu_box_was_not_compared():
     text = certify_report.markdown(report)
     section = text[text.index("## GPU memory vs plan"):text.index("## Burn-in")]
     assert "not checked: the box has no NVIDIA GPU" in section
+
+
+def test_an_on_demand_routers_model_servers_count_for_it_by_their_unit():
+    # The router (main PID 4545) holds nothing; the model server it started (PID 4546, a child) holds the card.
+    router = service("llama-on-demand", 8003, {"cuda1": 15000, "cpu": 500})
+    plan = ServePlan(fits=True, services=[router])
+    units = {"llama-on-demand": {"active": "active", "main_pid": 4545}}
+    child = {**process(4546, 14200, 1), "unit": "llama-on-demand.service"}
+    rows, checks, _ = read([child], plan=plan, units=units)
+    (card,) = checks
+    assert card["passed"] and "llama-on-demand holds 14200 MiB of 15000 MiB planned" in card["detail"]
+    assert rows[0]["services"][0]["pids"] == [4546] and rows[0]["other_mib"] == 0

@@ -199,6 +199,8 @@ def gpu_memory(plan: ServePlan, profile: HardwareProfile, extras: Mapping[str, A
     units = extras.get("units") or {}
     owner = {pid: service.name for service in plan.services
              if (pid := _whole((units.get(service.name) or {}).get("main_pid")))}
+    # an on-demand router's model servers are its children: known by the unit whose control group holds them
+    unit_owner = {f"{service.name}.service": service.name for service in plan.services}
     by_uuid = {gpu.uuid.lower(): gpu for gpu in profile.gpus if gpu.uuid}
     by_bus = {key: gpu for gpu in profile.gpus if (key := _bus_key(gpu.pci_bus_id))}
     held: dict[int, dict[str, int | None]] = {}
@@ -207,7 +209,8 @@ def gpu_memory(plan: ServePlan, profile: HardwareProfile, extras: Mapping[str, A
     strays: list[str] = []
     for process in extras.get("gpu_processes") or []:
         gpu = by_uuid.get(str(process.get("gpu_uuid") or "").lower()) or by_bus.get(_bus_key(process.get("gpu_bus_id")))
-        service, used = owner.get(process.get("pid")), _whole(process.get("used_mib"))
+        service = owner.get(process.get("pid")) or unit_owner.get(str(process.get("unit") or ""))
+        used = _whole(process.get("used_mib"))
         if service is None:
             if gpu is not None:
                 others[gpu.index] = others.get(gpu.index, 0) + (used or 0)

@@ -94,12 +94,25 @@ def test_compute_apps_are_read_with_the_process_name_last_and_unknown_memory_as_
             "5150, 312, GPU-0fa0c0de-1111-2222-3333-444455556666, 00000000:00:06.0, chrome --type=gpu-process,a=1,b=2\n"
             "6000, [N/A], GPU-0fa0c0de-1111-2222-3333-444455556666, [N/A], [Insufficient Permissions]\n"
             "No running processes found\n")
-    first, browser, unknown = state.parse_compute_apps(text)
-    assert first == {"pid": 4242, "used_mib": 20610, "gpu_uuid": "GPU-0fa0c0de-1111-2222-3333-444455556666",
+    first, browser, unknown = state.parse_compute_apps(text, unit={4242: "llama-gemma.service"}.get)
+    assert first == {"pid": 4242, "used_mib": 20610, "unit": "llama-gemma.service",
+                     "gpu_uuid": "GPU-0fa0c0de-1111-2222-3333-444455556666",
                      "gpu_bus_id": "00000000:00:06.0", "process_name": "/opt/llama/upstream/current/bin/llama-server"}
     assert browser["used_mib"] == 312 and browser["process_name"] == "chrome --type=gpu-process,a=1,b=2"
     assert unknown["used_mib"] is None and unknown["gpu_bus_id"] is None
-    assert state.parse_compute_apps("") == []
+    assert state.parse_compute_apps("") == [] and browser["unit"] is None
+
+
+def test_a_process_is_known_by_the_unit_whose_control_group_holds_it(tmp_path):
+    # An on-demand router's model server: a child of the router, in its unit's group (cgroup v2, and v1's lines).
+    for pid, text in ((10, "0::/system.slice/llama-on-demand.service\n"),
+                      (11, "12:pids:/system.slice/llama-a.service\n1:name=systemd:/system.slice/llama-a.service\n"),
+                      (12, "0::/user.slice/user-1000.slice/session-2.scope\n")):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "cgroup").write_text(text)
+    assert state.unit_of(10, str(tmp_path)) == "llama-on-demand.service"
+    assert state.unit_of(11, str(tmp_path)) == "llama-a.service"
+    assert state.unit_of(12, str(tmp_path)) is None and state.unit_of(13, str(tmp_path)) is None
 
 
 def test_the_stand_in_answers_the_modules_compute_apps_query(tmp_path, monkeypatch):

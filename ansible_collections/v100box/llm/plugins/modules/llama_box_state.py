@@ -94,11 +94,12 @@ gpu_error:
   returned: always
 gpu_processes:
   description: One entry per process per card it holds memory on (empty unless O(gpu_processes)); C(used_mib) is
-    null where nvidia-smi cannot say (C([N/A])).
+    null where nvidia-smi cannot say (C([N/A])); C(unit) is the systemd service whose control group holds the
+    process (null when the kernel does not say).
   type: list
   elements: dict
   returned: always
-  sample: [{pid: 4242, used_mib: 20610, gpu_uuid: GPU-0fa0c0de-1111-2222-3333-444455556666,
+  sample: [{pid: 4242, used_mib: 20610, unit: llama-gemma.service, gpu_uuid: GPU-0fa0c0de-1111-2222-3333-444455556666,
             gpu_bus_id: "00000000:00:06.0", process_name: /opt/llama/upstream/current/bin/llama-server}]
 gpu_processes_error:
   description: Why there is no process list (not asked, no nvidia-smi, or it failed); empty when it answered.
@@ -243,9 +244,24 @@ def _present(text):
     return None if text.startswith("[") or text in ("N/A", "") else text
 
 
-def parse_compute_apps(text):
+def unit_of(pid, proc="/proc"):
+    """The systemd service whose control group holds the process (an on-demand router's model servers are its
+    children, in its unit's group), or None when the kernel does not say."""
+    try:
+        with open(f"{proc}/{pid}/cgroup", encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        services = [part for part in line.rpartition(":")[2].split("/") if part.endswith(".service")]
+        if services:
+            return services[-1]
+    return None
+
+
+def parse_compute_apps(text, unit=unit_of):
     """COMPUTE_APPS_QUERY's lines; no line when no process holds a card. A line that does not start with a PID
-    (a message such as "No running processes found") is not a process."""
+    (a message such as "No running processes found") is not a process. ``unit``: a PID's systemd service."""
     processes = []
     for line in text.splitlines():
         cells = [cell.strip() for cell in line.split(",", 4)]
@@ -253,6 +269,7 @@ def parse_compute_apps(text):
             continue
         used = _number(cells[1]) if _present(cells[1]) else None
         processes.append({"pid": int(cells[0]), "used_mib": None if used is None else int(used),
+                          "unit": unit(int(cells[0])),
                           "gpu_uuid": _present(cells[2]), "gpu_bus_id": _present(cells[3]),
                           "process_name": cells[4] if len(cells) > 4 else ""})
     return processes
