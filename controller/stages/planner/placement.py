@@ -130,10 +130,8 @@ def _held(ctx: Context, want: WantedModel) -> bool:
 
 def pin_cards(ctx: Context, want: WantedModel) -> tuple[int, ...] | None:
     """The cards a pinned model may use (``gpus``: exactly these; ``board``: that board's), or None."""
-    if want.gpus is not None:
-        return tuple(sorted(want.gpus))
-    if ctx.within is not None:
-        return ctx.within
+    if (exact := _exact(ctx, want)) is not None:
+        return exact
     if want.board is not None and want.board < len(ctx.profile.boards):
         return tuple(sorted(ctx.profile.boards[want.board]))
     return None

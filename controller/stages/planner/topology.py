@@ -90,6 +90,12 @@ class GpuPool:
         return GpuSet(gpus, tuple(self.gpus[i].memory_mib or 0 for i in gpus), board,
                       min(pairs, default=0), sum(pairs))
 
+    def _across(self, gpus: tuple[int, ...]) -> GpuSet:
+        """Cards as one set that is no board of its own (joined by PCIe where no NVLink joins them)."""
+        pairs = [self.links.get(frozenset(pair), 0) for pair in combinations(gpus, 2)]
+        return GpuSet(gpus, tuple(self.gpus[i].memory_mib or 0 for i in gpus), gpus, min(pairs, default=0),
+                      sum(pairs), spans=True)
+
     def _connected(self, gpus: tuple[int, ...]) -> bool:
         reached, frontier = {gpus[0]}, [gpus[0]]
         while frontier:
@@ -136,9 +142,7 @@ class GpuPool:
             if any(set(gpus) <= set(board) for board in self.boards) and self._connected(gpus):
                 continue  # inside one NVLink board: the board's own candidates, never "across boards"
             if usable(gpus):
-                pairs = [self.links.get(frozenset(pair), 0) for pair in combinations(gpus, 2)]
-                out.append(GpuSet(gpus, tuple(self.gpus[i].memory_mib or 0 for i in gpus), gpus, min(pairs, default=0),
-                                  sum(pairs), spans=True))
+                out.append(self._across(gpus))
         return sorted(out, key=lambda s: (len({self.gpus[i].arch for i in s.gpus}), s.total_mib, s.gpus))
 
     def exact(self, gpus: tuple[int, ...]) -> GpuSet:
@@ -146,9 +150,7 @@ class GpuPool:
         board = next((b for b in self.boards if set(gpus) <= set(b)), None)
         if board is not None and (len(gpus) == 1 or self._connected(gpus)):
             return self._set(gpus, board)
-        pairs = [self.links.get(frozenset(pair), 0) for pair in combinations(gpus, 2)]
-        return GpuSet(gpus, tuple(self.gpus[i].memory_mib or 0 for i in gpus), gpus, min(pairs, default=0),
-                      sum(pairs), spans=True)
+        return self._across(gpus)
 
     def board_unions(self, count: int, usable: Usable) -> list[GpuSet]:
         """The free parts of ``count`` boards together, for a model no single board holds: each board's free
@@ -162,9 +164,7 @@ class GpuPool:
         for chosen in combinations(parts, count):
             gpus = tuple(sorted(i for part in chosen for i in part))
             if usable(gpus):
-                pairs = [self.links.get(frozenset(pair), 0) for pair in combinations(gpus, 2)]
-                out.append(GpuSet(gpus, tuple(self.gpus[i].memory_mib or 0 for i in gpus), gpus,
-                                  min(pairs, default=0), sum(pairs), spans=True))
+                out.append(self._across(gpus))
         return sorted(out, key=lambda s: (s.total_mib, s.size, s.gpus))
 
     @property
