@@ -32,6 +32,7 @@ import pytest
 import yaml
 
 from lab import image as lab_image
+from lab import mitogen_strategy
 from lab import target as lab_target
 from lab.host import debian_packages
 
@@ -91,14 +92,17 @@ def box(target_image):
 
 def _converge(name: str, tmp_path: Path, *, check_mode: bool = False, **variables: object) -> str:
     inventory = tmp_path / "hosts.yml"
+    # Under mitogen's strategy, as the molecule scenarios run the roles (lab/mitogen_strategy.py): one Python in the box
+    # for the whole play instead of a `podman exec` or `podman cp` or more a task. Its podman connection takes the
+    # plugin's short name.
     inventory.write_text(yaml.safe_dump({"all": {"hosts": {name: {
-        "ansible_connection": "containers.podman.podman", "ansible_python_interpreter": "/usr/bin/python3"}}}}))
+        "ansible_connection": "podman", "ansible_python_interpreter": "/usr/bin/python3"}}}}))
     playbook = tmp_path / "firewall.yml"
     playbook.write_text(PLAYBOOK)
     extra = tmp_path / "vars.yml"
     extra.write_text(yaml.safe_dump(variables))
     env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(ROOT), "ANSIBLE_NOCOLOR": "1",
-           "ANSIBLE_HOST_KEY_CHECKING": "False"}
+           "ANSIBLE_HOST_KEY_CHECKING": "False", **mitogen_strategy.ansible_environment()}
     done = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inventory), str(playbook),
                            "-e", f"@{extra}", *(["--check"] if check_mode else [])], env=env, capture_output=True, text=True, check=False, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
