@@ -165,6 +165,34 @@ def test_the_digest_follows_the_inputs_not_the_bookkeeping():
         assert action.inputs_digest({**base, **changed}) != digest, changed
 
 
+def test_the_collection_digest_follows_what_a_run_reads_not_the_docs_or_the_scenarios(tmp_path, monkeypatch):
+    tree = {"galaxy.yml": "name: llm", "README.md": "docs", "CHANGELOG.md": "changes",
+            "roles/r/tasks/main.yml": "- name: t", "roles/r/README.md": "role docs",
+            "roles/r/templates/NOTE.md.j2": "note {{ x }}", "roles/r/molecule/default/converge.yml": "- hosts: all",
+            "plugins/modules/m.py": "x = 1", "tests/unit/test_m.py": "y = 2"}
+
+    def digest(changes: dict[str, str]) -> str:
+        for name, text in {**tree, **changes}.items():
+            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name).write_text(text)
+        monkeypatch.setattr(action, "_COLLECTION", str(tmp_path))
+        action.collection_digest.cache_clear()
+        return action.collection_digest()
+
+    try:
+        base = digest({})
+        for docs in ({"README.md": "edited"}, {"CHANGELOG.md": "edited"}, {"roles/r/README.md": "edited"},
+                     {"roles/r/molecule/default/converge.yml": "- hosts: other"}, {"tests/unit/test_m.py": "y = 3"}):
+            assert digest(docs) == base, docs
+            digest({name: tree[name] for name in docs})
+        for read in ({"roles/r/tasks/main.yml": "- name: u"}, {"roles/r/templates/NOTE.md.j2": "note {{ y }}"},
+                     {"plugins/modules/m.py": "x = 2"}, {"galaxy.yml": "name: llm2"}):
+            assert digest(read) != base, read
+            digest({name: tree[name] for name in read})
+    finally:
+        action.collection_digest.cache_clear()
+
+
 def test_units_are_read_from_one_systemctl_show_and_a_stopped_or_reloaded_unit_is_named():
     def answers(active: str, reload: str) -> SimpleNamespace:
         block = ("Id={}\nLoadState=loaded\nActiveState={}\nUnitFileState=enabled\nNeedDaemonReload={}\n"

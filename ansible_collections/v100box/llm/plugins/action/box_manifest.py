@@ -1,6 +1,7 @@
 """box_manifest on the controller: the digest of the run's inputs, and for a record what the run managed.
 
-The digest covers every file of this collection (roles, plugins, playbooks), the ansible-core version, the facts
+The digest covers every file of this collection that a run reads (roles, plugins, playbooks; not its documentation,
+tests or molecule scenarios), the ansible-core version, the facts
 the roles branch on, and every variable of the host that is not Ansible's own bookkeeping: inventory and group
 variables, extra variables (the controller's secrets among them), role defaults. Any change to one of them makes
 the next run a full one. A record is written only after a run without tags, without check mode and without a
@@ -45,10 +46,12 @@ _SKIP_PREFIXES = ("__", "ansible_facts", "ansible_net_", "ansible_play_", "ansib
 def collection_digest() -> str:
     digest = hashlib.sha256()
     for folder, dirs, files in os.walk(_COLLECTION):
-        # Not the tests, nor caches and tools' folders a clone gathers (.ansible, .pytest_cache, .ruff_cache, ...)
-        dirs[:] = sorted(d for d in dirs if d not in ("__pycache__", "tests") and not d.startswith("."))
+        # Not the tests or the roles' molecule scenarios, nor caches and tools' folders a clone gathers (.ansible,
+        # .pytest_cache, .ruff_cache, ...): nothing of them reaches a box.
+        dirs[:] = sorted(d for d in dirs if d not in ("__pycache__", "tests", "molecule") and not d.startswith("."))
         for name in sorted(files):
-            if name.endswith((".pyc", ".pyo")):
+            # Nor the documentation (README.md, CHANGELOG.md): an edit to it alone leaves every box converged.
+            if name.endswith((".pyc", ".pyo", ".md")):
                 continue
             path = os.path.join(folder, name)
             digest.update(os.path.relpath(path, _COLLECTION).encode() + b"\0")
