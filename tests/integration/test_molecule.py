@@ -42,21 +42,22 @@ from lab.site import PACK_NAME, sha256_file
 pytestmark = [pytest.mark.podman, pytest.mark.engine, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-# The longest first (seconds each took under mitogen, three at a time on a 2-core machine, 2026-11-26): the suite's
-# workers take them in this order (tests/plugins/schedule.py), so that the last ones to start are short.
+# The longest first (seconds each took as one `molecule test` under mitogen, three at a time on a 2-core machine, in a
+# full run, 2026-11-26): the suite's workers take them in this order (tests/plugins/schedule.py), so that the last
+# ones to start are short.
 SCENARIOS = [
-    ("llama_engine", "source"),  # 244
-    ("nvidia_driver", "default"),  # 213
-    ("llama_service", "exposed"),  # 207
-    ("box_seal", "default"),  # 180
-    ("llama_service", "default"),  # 158
-    ("llama_verify", "default"),  # 151
-    ("lan_cache", "default"),  # 129
-    ("agent_clients", "default"),  # 121
-    ("llama_engine", "default"),  # 114
-    ("llm_gateway", "default"),  # 113
-    ("thermal_guard", "default"),  # 112
-    ("gguf_model", "default"),  # 110
+    ("llama_engine", "source"),  # 187
+    ("nvidia_driver", "default"),  # 149
+    ("llama_service", "exposed"),  # 135
+    ("box_seal", "default"),  # 118
+    ("llama_service", "default"),  # 93
+    ("llm_gateway", "default"),  # 87
+    ("llama_verify", "default"),  # 83
+    ("lan_cache", "default"),  # 76
+    ("thermal_guard", "default"),  # 76
+    ("agent_clients", "default"),  # 66
+    ("gguf_model", "default"),  # 59
+    ("llama_engine", "default"),  # 58
 ]
 # Each scenario is its own container on its own ports with its own molecule folder: the suite's workers run them side
 # by side, a scenario a test (tests/plugins/schedule.py names this file in PER_TEST_FILES).
