@@ -194,6 +194,9 @@ def one_size(size: int, tmp: Path, site: Path, catalog: Path, image: str) -> dic
         "fresh_cpu": fresh_mem.control_cpu, "rerun_cpu": rerun_mem.control_cpu,
         "fresh_busy": fresh_mem.machine_busy, "rerun_busy": rerun_mem.machine_busy,
         "fresh_box_cpu": fresh_mem.box_cpu, "rerun_box_cpu": rerun_mem.box_cpu,
+        # The Ansible strategy each run went under (controller/stages/strategy.py); "-" from a controller without it.
+        "fresh_strategy": (fresh.get("strategy") or {}).get("name", "-"),
+        "rerun_strategy": (rerun.get("strategy") or {}).get("name", "-"),
     }
 
 
@@ -217,6 +220,9 @@ def main() -> None:
         print(f"{row['size']:>5} {row['fresh_s']:8.1f} {row['fresh_rc']:>3} {row['fresh_changed']:8d} "
               f"{row['rerun_s']:8.1f} {row['rerun_rc']:>3} {row['rerun_changed']:8d} {row['verified']:>8} "
               f"{row['fresh_prepare']:7.2f} {row['probe_mean']:11.3f} {row['plan_mean']:10.4f} {row['forks']:>5}")
+    print(f"{'boxes':>5} {'strategy fresh':>15} {'rerun':>15}")
+    for row in rows:
+        print(f"{row['size']:>5} {row['fresh_strategy']:>15} {row['rerun_strategy']:>15}")
     print(f"{'boxes':>5} {'controller RSS MiB':>18} {'ansible RSS MiB':>15} {'ansible procs':>13} "
           f"{'held KiB/box':>12}")
     for row in rows:

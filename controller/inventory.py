@@ -157,6 +157,29 @@ class Inventory:
         write_atomic(self.task_counts_file, json.dumps(counts, sort_keys=True) + "\n")
 
     @property
+    def last_ok_file(self) -> Path:
+        """Each box's rendered inputs (``controller.stages.strategy.inputs_stamp``) at its last provision that
+        ended ok: which Ansible strategy its next run goes under."""
+        return self.root / ".last-ok-inputs.json"
+
+    def last_ok_inputs(self) -> dict[str, str]:
+        try:
+            stamps = json.loads(self.last_ok_file.read_text())
+        except (OSError, ValueError):
+            return {}
+        return {str(box): str(stamp) for box, stamp in stamps.items()} if isinstance(stamps, dict) else {}
+
+    def record_last_ok(self, stamps: Mapping[str, str | None]) -> None:
+        """Set each box's stamp (None: forget the box, whose run did not end ok)."""
+        kept = self.last_ok_inputs()
+        for box, stamp in stamps.items():
+            if stamp is None:
+                kept.pop(box, None)
+            else:
+                kept[box] = stamp
+        write_atomic(self.last_ok_file, json.dumps(kept, sort_keys=True) + "\n")
+
+    @property
     def probes_folder(self) -> Path:
         return self.root / "probes"
 

@@ -45,6 +45,7 @@ from controller.stages.planner import plan_box
 from controller.stages.planner.gateway import plan_gateway
 from controller.stages.probe.driver import driver_window_problem
 from controller.stages.runner import HostStats, RunResult
+from controller.stages.strategy import Choice
 from controller.stages.verify import results
 
 PROBE_WORKERS = 32  # boxes probed at once: each is an SSH session waiting on the box, not on this CPU
@@ -93,6 +94,7 @@ class FleetRun:
     reports: dict[str, dict[str, Any]] = field(default_factory=dict)  # each written report, by box
     lock_file: Path | None = None  # the fleet's lock, when the boxes that ran were recorded in it
     lock_changes: list[str] | None = None  # what recording changed there (None: nothing was recorded)
+    strategy: Choice | None = None  # the Ansible strategy of the run and why (None: no run)
 
     @property
     def failed(self) -> list[BoxOutcome]:
@@ -106,6 +108,7 @@ class FleetRun:
             "prepare_seconds": round(self.prepare_seconds, 2),
             "run_seconds": round(self.run.elapsed, 2) if self.run is not None else None,  # the site.yml run
             "forks": self.forks,
+            "strategy": self.strategy.as_dict() if self.strategy is not None else None,
         }
 
 

@@ -25,6 +25,7 @@ from typing import Any
 from controller.actions.fleetrun import (
     FAILED,
     MAX_FORKS,
+    OK,
     RAN,
     BoxOutcome,
     FleetRun,
@@ -48,6 +49,7 @@ from controller.reports.provision import driver_section
 from controller.stages.planner import plan_driver
 from controller.stages.render import render_box, secrets_for
 from controller.stages.runner import EventHandler, RunInterrupted, RunResult, run_playbook
+from controller.stages.strategy import Choice, choose, inputs_stamp
 
 
 def _quiet(box: str, stage: str, detail: str) -> None:
@@ -129,8 +131,12 @@ def provision(fleet: Fleet, names: Sequence[str], inventory: Path, *, fleet_path
         prepare_seconds = time.monotonic() - started
 
         ready = [name for name in names if name in planned]
+        choice: Choice | None = None
         if ready:
             forks = max(1, min(len(ready), MAX_FORKS))
+            stamps = {name: inputs_stamp(folder.host_vars_file(name)) for name in ready}
+            choice = choose([planned[name].box for name in ready], stamps, folder.last_ok_inputs(), full=full)
+            folder.record_last_ok(dict.fromkeys(ready))  # a run that stops or fails leaves them forgotten
             spans = Spans()
 
             def handle(event: dict[str, Any]) -> None:
@@ -146,7 +152,7 @@ def provision(fleet: Fleet, names: Sequence[str], inventory: Path, *, fleet_path
             try:
                 run = run_playbook("site.yml", inventory=inventory, limit=",".join(ready), host_secrets=secrets,
                                    forks=forks, on_event=handle, raise_on_failure=raise_failures,
-                                   extravars={FULL_RUN_VAR: True} if full else None)
+                                   extravars={FULL_RUN_VAR: True} if full else None, strategy=choice.strategy)
             except RunInterrupted as stopped:
                 for name in ready:
                     reports[name] = finish(planned[name], stopped.result, seconds(stopped.result, name), inventory,
@@ -162,9 +168,11 @@ def provision(fleet: Fleet, names: Sequence[str], inventory: Path, *, fleet_path
             else:
                 for name in ready:
                     reports[name] = finish(planned[name], run, seconds(run, name), inventory, outcomes[name])
+                folder.record_last_ok({name: stamps[name] for name in ready if outcomes[name].result == OK
+                                       and stamps[name] is not None})
 
     done = FleetRun([outcomes[name] for name in names], time.monotonic() - started, prepare_seconds, run, forks,
-                    reports)
+                    reports, strategy=choice)
     ran = [outcome.box for outcome in done.outcomes if outcome.result in RAN]
     if fleet_path is not None and lock is None and ran:  # what the boxes that ran now have
         done.lock_file = lock_path(fleet_path)

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from rich.console import Console
 from rich.markup import escape
 
 from controller.stages.runner import RunResult
+
+if TYPE_CHECKING:
+    from controller.stages.strategy import Choice
 
 _STATUS = {
     "runner_on_ok": "ok",
@@ -123,10 +126,12 @@ class Progress:
             self.bar = None
         self._end_section()
 
-    def summary(self, result: RunResult) -> None:
+    def summary(self, result: RunResult, strategy: Choice | None = None) -> None:
+        """Each host's counts, and the Ansible strategy of a provision and why (``strategy``)."""
         self.close()
         if self.as_json:
-            self.stream.write(json.dumps({"type": "summary", **summary_dict(result)}) + "\n")
+            extra = {"strategy": strategy.as_dict()} if strategy is not None else {}
+            self.stream.write(json.dumps({"type": "summary", **summary_dict(result), **extra}) + "\n")
             self.stream.flush()
             return
         for host, stats in sorted(result.stats.items()):
@@ -134,6 +139,8 @@ class Progress:
                 escape(f"{result.playbook}: {host}:") + f" ok={stats.ok} changed={stats.changed} failed={stats.failures} "
                 f"unreachable={stats.unreachable} skipped={stats.skipped} in {result.elapsed:.1f}s"
             )
+        if strategy is not None:
+            self.console.print(escape(f"Ansible strategy {strategy.strategy}: {strategy.reason}"))
 
 
 def _fast_path_event(host: str, data: dict[str, Any]) -> dict[str, Any]:
@@ -266,6 +273,8 @@ class FleetProgress:
         self.console.print(f"{len(fleet_run.outcomes) - failed} of {len(fleet_run.outcomes)} boxes provisioned and "
                            f"verified in {fleet_run.elapsed:.1f}s (probe and plan {fleet_run.prepare_seconds:.1f}s, "
                            f"{fleet_run.forks} forks)")
+        if fleet_run.strategy is not None:
+            self.console.print(escape(f"Ansible strategy {fleet_run.strategy.strategy}: {fleet_run.strategy.reason}"))
 
 
 def summary_table(fleet_run: Any) -> Any:

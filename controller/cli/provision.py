@@ -68,7 +68,7 @@ def provision_box(fleet: Fleet, box: str, inventory: Path, as_json: bool, fleet_
     finally:
         progress.close()
     if done.run is not None:
-        progress.summary(done.run)
+        progress.summary(done.run, done.strategy)
         if not progress.converged:
             folder.record_tasks("site.yml", 1, progress.done)
     lock_note(done, as_json)

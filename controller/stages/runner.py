@@ -41,6 +41,7 @@ import yaml
 from controller import COLLECTION
 from controller.errors import RunError, TransportError
 from controller.inventory import Inventory
+from controller.stages.strategy import environment as strategy_environment
 from controller.stages.transports.known_hosts import forget_command
 
 # The folder holding controller/ and ansible_collections/: a clone's root, or site-packages where a wheel put both.
@@ -93,6 +94,7 @@ class RunResult:
     data: dict[str, Any] = field(default_factory=dict)  # what the play published with set_stats
     artifact_dir: Path | None = None
     last_task: str | None = None  # the last task started ("host: task" where a host started it)
+    strategy: str = "linear"  # the Ansible strategy it ran under (controller.stages.strategy)
 
     @property
     def changed(self) -> int:
@@ -416,6 +418,7 @@ def run_playbook(
     forks: int | None = None,
     raise_on_failure: bool = True,
     hosts_file: Path | None = None,
+    strategy: str = "linear",
 ) -> RunResult:
     """Run ``playbooks/<playbook>`` and return its result; raise RunError or TransportError on failure,
     RunInterrupted on Ctrl-C (after ansible-playbook stopped).
@@ -423,7 +426,8 @@ def run_playbook(
     ``secrets`` go to every host of the run (extra vars); ``host_secrets`` (box -> variables) each to its
     own host only, as host variables of a private second inventory source (a fleet run: each box its own
     keys). ``forks``: Ansible's parallel hosts (default: ansible.cfg's). With ``raise_on_failure=False``
-    a run that failed on some hosts comes back as its result (the caller reads each host's stats).
+    a run that failed on some hosts comes back as its result (the caller reads each host's stats). ``strategy``:
+    Ansible's plain ``linear`` or ``mitogen_linear`` (controller.stages.strategy).
     """
     import ansible_runner
 
@@ -467,7 +471,7 @@ def run_playbook(
         return True
 
     started = time.monotonic()
-    env = run_env(inventory)
+    env = run_env(inventory) | strategy_environment(strategy)
     with folder.mutex(f"ansible-playbook {playbook}"), _run_folder() as private, _Stopper() as stopper:
         cmdline = guard_command(inventory, private)
         # hosts.yml, or workstations.yml for playbooks/clients.yml; then, in a fleet run, the boxes' own secrets
@@ -524,6 +528,7 @@ def run_playbook(
         data=data,
         artifact_dir=Path(runner.config.artifact_dir),
         last_task=last_task[0] if last_task else None,
+        strategy=strategy,
     )
     if stopper.signals:
         result.status = "interrupted"

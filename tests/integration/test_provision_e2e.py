@@ -72,6 +72,9 @@ def test_provision_serves_both_apis_then_converges(fleet_file, systemd_target):
     assert service["served_ids"] == ["tiny-llama"]
     assert service["openai"]["completion_tokens"] > 0 and service["anthropic"]["output_tokens"] > 0
     assert summary["hosts"]["lab1"]["changed"] > 0
+    # A box never provisioned runs every role, under mitogen (controller/stages/strategy.py).
+    assert summary["strategy"] == {"name": "mitogen_linear", "reason": "lab1 has no run that ended ok on record: "
+                                                                       "every role is expected to run"}
 
     # The service runs under systemd as the unprivileged user, and answers from the host too
     # (the target shares the host's loopback).
@@ -98,6 +101,11 @@ def test_provision_serves_both_apis_then_converges(fleet_file, systemd_target):
     changed = [line for line in done2.stdout.splitlines() if '"changed"' in line]
     assert summary2["hosts"]["lab1"]["changed"] == 0, changed
     assert report2["verified"] is True
+    # Expected converged, it runs under the plain linear strategy, and the record the mitogen run left matches it:
+    # the play ends after the one comparison.
+    assert summary2["strategy"]["name"] == "linear"
+    decisions = [json.loads(line) for line in done2.stdout.splitlines() if line.startswith('{"type": "fast_path"')]
+    assert [(one["host"], one["converged"]) for one in decisions] == [("lab1", True)], decisions
 
 
 def test_verify_checks_the_provisioned_box_again(fleet_file):

@@ -19,32 +19,32 @@ import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 PER_TEST_FILES = frozenset({"tests/integration/test_molecule.py"})
-# Seconds each of the longest files took in a full run under three workers (2026-11-26, after the molecule and
-# include-level changes: junit times summed per file, setup and teardown included): only their order matters. A file
+# Seconds each of the longest files took in a full run under three workers (2026-11-26, provisions that run every
+# role under mitogen: junit times summed per file, setup and teardown included): only their order matters. A file
 # not named counts as short.
 MEASURED_SECONDS = {
-    "tests/integration/test_provision_e2e.py": 293,
-    "tests/integration/test_llm_gateway.py": 292,
-    "tests/integration/test_fleet_status.py": 278,
-    "tests/integration/test_engine_rollback.py": 278,
-    "tests/integration/test_thermal_guard.py": 252,
-    "tests/integration/test_lan_cache.py": 229,
-    "tests/integration/test_llama_firewall.py": 220,
-    "tests/integration/test_lint.py": 206,
-    "tests/integration/test_fleet_provision.py": 202,
-    "tests/integration/test_seal.py": 198,
-    "tests/integration/test_certify.py": 196,
-    "tests/integration/test_demo_agents.py": 195,
-    "tests/integration/test_fleet_lock.py": 161,
-    "tests/integration/test_on_demand.py": 139,
-    "tests/integration/test_wheel.py": 129,
-    "tests/integration/test_target.py": 109,
-    "tests/integration/test_nvidia_nodes.py": 87,
-    "tests/integration/test_collection.py": 82,
-    "tests/integration/test_probe_live.py": 65,
-    "tests/integration/test_driver_e2e.py": 64,
-    "tests/integration/test_llama_service_preflight.py": 60,
-    "tests/integration/test_role_preflights.py": 48,
+    "tests/integration/test_llama_firewall.py": 312,
+    "tests/integration/test_fleet_status.py": 280,
+    "tests/integration/test_provision_e2e.py": 261,
+    "tests/integration/test_lan_cache.py": 223,
+    "tests/integration/test_seal.py": 215,
+    "tests/integration/test_llm_gateway.py": 194,
+    "tests/integration/test_thermal_guard.py": 190,
+    "tests/integration/test_fleet_provision.py": 170,
+    "tests/integration/test_engine_rollback.py": 168,
+    "tests/integration/test_lint.py": 160,
+    "tests/integration/test_certify.py": 153,
+    "tests/integration/test_demo_agents.py": 152,
+    "tests/integration/test_wheel.py": 106,
+    "tests/integration/test_on_demand.py": 102,
+    "tests/integration/test_nvidia_nodes.py": 98,
+    "tests/integration/test_fleet_lock.py": 92,
+    "tests/integration/test_target.py": 86,
+    "tests/integration/test_collection.py": 71,
+    "tests/integration/test_probe_live.py": 61,
+    "tests/integration/test_driver_e2e.py": 59,
+    "tests/integration/test_role_preflights.py": 51,
+    "tests/integration/test_agent_clients.py": 45,
 }
 # Workers per core: the integration tests spend much of their time waiting on containers and servers.
 WORKERS_PER_CORE = 1.5

@@ -129,13 +129,30 @@ def test_the_summary_table_has_a_row_per_box_with_result_changed_time_verified_a
         "not valid JSON5; ghost: unreachable: box ghost (127.0.0.1:1): cannot connect")
 
 
+def test_the_summary_says_which_ansible_strategy_the_run_went_under_and_why(tmp_path):
+    from controller.stages.strategy import MITOGEN, Choice
+
+    done = _fleet_run()
+    done.strategy = Choice(MITOGEN, "a1 has no run that ended ok on record: every role is expected to run")
+    stream = (tmp_path / "out").open("w+")
+    FleetProgress(["a1", "b2", "ghost"], as_json=False, stream=stream).summary(done)
+    stream.seek(0)
+    assert ("Ansible strategy mitogen_linear: a1 has no run that ended ok on record: every role is expected to run"
+            in stream.read())
+    stream = (tmp_path / "out.json").open("w+")
+    FleetProgress(["a1", "b2", "ghost"], as_json=True, stream=stream).summary(done)
+    stream.seek(0)
+    assert json.loads(stream.read())["strategy"] == {"name": "mitogen_linear", "reason": done.strategy.reason}
+
+
 def test_the_json_summary_is_one_stable_object(tmp_path):
     stream = (tmp_path / "out").open("w+")
     FleetProgress(["a1", "b2", "ghost"], as_json=True, stream=stream).summary(_fleet_run())
     stream.seek(0)
     summary = json.loads(stream.read())
     assert summary["type"] == "fleet" and summary["failed"] == ["b2", "ghost"] and summary["forks"] == 2
-    assert set(summary) == {"type", "boxes", "failed", "elapsed", "prepare_seconds", "run_seconds", "forks"}
+    assert set(summary) == {"type", "boxes", "failed", "elapsed", "prepare_seconds", "run_seconds", "forks", "strategy"}
+    assert summary["strategy"] is None  # no run: no strategy
     assert summary["run_seconds"] is None  # no site.yml run in this one
     assert [box["box"] for box in summary["boxes"]] == ["a1", "b2", "ghost"]
     assert set(summary["boxes"][0]) == {"box", "result", "reason", "changed", "seconds", "verified", "probe_seconds",

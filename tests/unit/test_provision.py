@@ -23,6 +23,8 @@ from controller.model.catalog import load_catalog
 from controller.model.fleet import load_fleet
 from controller.model.profile import Cpu, Driver, HardwareProfile, OsInfo
 from controller.stages.runner import FailedTask, HostStats, RunResult
+from controller.stages.strategy import LINEAR, MITOGEN
+from tests.unit.test_verify import RECORDED
 
 SHA = "cd" * 32
 PACK_SHA = "ab" * 32
@@ -50,8 +52,8 @@ def write_fleet(folder: Path, boxes: tuple[str, ...] = ("box1", "box2"), ctx: in
 @pytest.fixture
 def machine(monkeypatch):
     """The probe and the Ansible run replaced; ``runs`` records each run, ``down`` names boxes that do not answer the
-    probe, ``failing`` boxes whose run fails."""
-    state: dict[str, Any] = {"runs": [], "down": set(), "failing": set()}
+    probe, ``failing`` boxes whose run fails, ``answering`` boxes whose servers pass the run's checks."""
+    state: dict[str, Any] = {"runs": [], "down": set(), "failing": set(), "answering": set()}
 
     def probe_box(box, transport=None, *, known_hosts=None):
         if box.name in state["down"]:
@@ -62,9 +64,14 @@ def machine(monkeypatch):
         hosts = limit.split(",")
         state["runs"].append({"playbook": playbook, "hosts": hosts, **kwargs})
         failing = [host for host in hosts if host in state["failing"]]
+        answers = {host: {service.name: {**RECORDED["llama-tiny"], "model": service.model, "port": service.port,
+                                         "served_ids": [service.model]}
+                          for service in Inventory(inventory).plan(host).services}
+                   for host in hosts if host in state["answering"]}
         return RunResult(playbook, "failed" if failing else "successful", 2 if failing else 0, 3.0,
                          stats={host: HostStats(ok=9, changed=2, failures=int(host in failing)) for host in hosts},
-                         failed=[FailedTask(host, "Install engine", "no space left") for host in failing])
+                         failed=[FailedTask(host, "Install engine", "no space left") for host in failing],
+                         data={"llama_verify": answers})
 
     monkeypatch.setattr("controller.stages.probe.collect.probe_box", probe_box)
     monkeypatch.setattr("controller.actions.provision.run_playbook", run_playbook)
@@ -150,3 +157,57 @@ def test_another_fleets_lock_is_refused_before_any_connection(tmp_path, machine)
     machine["down"].update({"box1", "box2"})  # a connection would fail differently
     with pytest.raises(LockError, match="was written for fleet file fleet.yml"):
         provision(load_fleet(other), ["box1"], tmp_path / "inventory", fleet_path=other)
+
+
+def test_a_run_goes_under_mitogen_when_a_box_is_expected_to_run_every_role(tmp_path, machine):
+    """controller/stages/strategy.py: mitogen for a box with no run that ended ok, changed inputs or --full; linear
+    when every box is expected to end after the converged comparison; a failed run forgets the box."""
+    fleet_path = write_fleet(tmp_path)
+    inventory = tmp_path / "inventory"
+    machine["answering"] |= {"box1", "box2"}
+
+    def strategy(names=("box1",), **options):
+        done = provision(load_fleet(fleet_path), list(names), inventory, **options)
+        assert machine["runs"][-1]["strategy"] == done.strategy.strategy == done.as_dict()["strategy"]["name"]
+        return done.strategy
+
+    first = strategy()
+    assert first.strategy == MITOGEN and first.reason == ("box1 has no run that ended ok on record: every role is "
+                                                          "expected to run")
+    again = strategy()
+    assert again.strategy == LINEAR and "expected to match the record of its last full run" in again.reason
+    assert strategy(full=True).strategy == MITOGEN
+    assert strategy(("box1", "box2")).reason.startswith("box2 has no run")  # one box's full run is the run's
+
+    write_fleet(tmp_path, ctx=4096)  # a new plan: the box runs every role
+    changed = strategy()
+    assert changed.strategy == MITOGEN and changed.reason.startswith("box1's rendered inputs changed")
+    assert strategy().strategy == LINEAR
+
+    machine["failing"].add("box1")
+    assert strategy().strategy == LINEAR
+    machine["failing"].clear()
+    assert strategy().strategy == MITOGEN  # the failed run left no record: its rerun may run every role
+    machine["answering"].clear()
+    assert strategy().strategy == LINEAR
+    assert strategy().strategy == MITOGEN  # its checks failed: not recorded either
+
+
+@pytest.mark.parametrize(("entry", "why"), [
+    ({"transport": "winrm", "os": "windows", "user": "Administrator"}, "box1 is reached over winrm"),
+    ({"transport": "local"}, "box1 is reached over local"),
+    ({"user": "builder"}, "box1 logs in as builder, not root"),
+    ({"password": {"env": "BOX_PASSWORD"}}, "box1 logs in with a password"),
+    ({"vars": {"ansible_ssh_host_key_checking": False}}, "box1 sets ansible_ssh_host_key_checking in its vars"),
+    ({"vars": {"ansible_host_key_checking": False}}, "box1 sets ansible_host_key_checking in its vars"),
+])
+def test_a_box_mitogen_is_not_proven_on_keeps_the_run_linear(tmp_path, entry, why):
+    from controller.model.fleet import parse_fleet
+    from controller.stages.strategy import choose
+
+    box = parse_fleet({"boxes": {"box1": {"address": "127.0.0.1", **entry}}}, tmp_path / "fleet.yml").box("box1")
+    other = parse_fleet({"boxes": {"box2": {"address": "127.0.0.2"}}}, tmp_path / "fleet.yml").box("box2")
+    for boxes in ([box], [other, box]):
+        choice = choose(boxes, {}, {}, full=True)
+        assert (choice.strategy, choice.reason) == (LINEAR, why)
+    assert choose([other], {}, {}, full=True).strategy == MITOGEN

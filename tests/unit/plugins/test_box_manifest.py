@@ -159,6 +159,10 @@ def test_the_digest_follows_the_inputs_not_the_bookkeeping():
                                  "ansible_facts": {**base["ansible_facts"], "getent_passwd": {"root": []}},
                                  "getent_passwd": {"root": []}, "ansible_limit": "b", "ansible_current_hosts": ["b"],
                                  "ansible_play_hosts_all": ["b"]}) == digest  # facts and the run's own: not inputs
+    # The strategy's connection: a box provisioned under mitogen (its connection and pipelining) stays converged
+    # under the plain linear strategy's ssh.
+    assert action.inputs_digest({**base, "ansible_connection": "ssh"}) == digest
+    assert action.inputs_digest({**base, "ansible_connection": "mitogen_ssh", "ansible_pipelining": True}) == digest
     for changed in ({"llama_service_instances": [{"name": "a", "port": 8081}]}, {"ansible_host": "10.0.0.6"},
                     {"ansible_facts": {"distribution": "Ubuntu", "os_family": "Debian"}},
                     {"llama_service_api_key": "sk-new"}):

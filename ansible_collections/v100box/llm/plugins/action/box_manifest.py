@@ -37,7 +37,10 @@ _SKIP = {"hostvars", "groups", "group_names", "inventory_hostname", "inventory_h
          "ansible_loop_var", "ansible_index_var", "ansible_parent_role_names", "ansible_parent_role_paths",
          "ansible_role_name", "role_name", "role_path", "role_uuid", "ansible_local", "discovered_interpreter_python",
          "module_setup", "gather_subset", "ansible_limit", "ansible_current_hosts", "ansible_failed_hosts",
-         "ansible_delegated_vars", "ansible_loop", "v100box_full_run", DIGEST_FACT, "v100box_converged_max_age_s"}
+         "ansible_delegated_vars", "ansible_loop", "v100box_full_run", DIGEST_FACT, "v100box_converged_max_age_s",
+         # How this run reaches the box, which the strategy sets (mitogen's names its own connection and pipelining;
+         # controller/stages/strategy.py): a box provisioned under one strategy is converged under the other.
+         "ansible_connection", "ansible_pipelining"}
 
 _SKIP_PREFIXES = ("__", "ansible_facts", "ansible_net_", "ansible_play_", "ansible_role_", "ansible_parent_role_")
 
