@@ -65,7 +65,7 @@ def demo(boxes: int, down: bool, as_json: bool) -> None:
         done = provision(fleet, [lab.DEMO_BOX], Inventory.beside(fleet_path).root, fleet_path=fleet_path,
                          raise_failures=True, on_event=progress)
     if done.run is not None:
-        progress.summary(done.run)
+        progress.summary(done.run, done.strategy)
     lock_note(done, as_json)
     report = done.reports[lab.DEMO_BOX]
     if as_json:

@@ -117,6 +117,7 @@ def build_report(box: Box, profile: HardwareProfile, plan: ServePlan, run: RunRe
             "stats": {host: vars(stats) for host, stats in run.stats.items()},
             # Where a run stopped early (Ctrl-C): the last task started; null for a finished run.
             "stopped_at": run.last_task if run.status == "interrupted" else None,
+            "strategy": run.strategy,  # the Ansible strategy it ran under (controller/stages/strategy.py)
         },
         "driver": driver_section(box, run),
         "cache": cache_section(box, run),
@@ -184,7 +185,8 @@ def markdown(report: dict[str, Any]) -> str:
         ]
     if report["run"]:
         run = report["run"]
-        lines += ["", "## Run", f"- {run['playbook']}: {run['status']} in {run['elapsed']} s, {run['changed']} changed"]
+        lines += ["", "## Run", f"- {run['playbook']}: {run['status']} in {run['elapsed']} s, {run['changed']} changed"
+                  + (f", under Ansible's {run['strategy']} strategy" if run.get("strategy") else "")]
         if run["status"] == "interrupted":
             lines.append(f"- Stopped during task: {run.get('stopped_at') or 'none started yet'}; provision again to "
                          "finish (the run converges)")

@@ -34,9 +34,15 @@ def test_a_verified_box_reports_its_fields_and_says_so(tmp_path):
     assert set(entry) == SERVICE_FIELDS and entry["verified"] is True
     assert entry["auth"] == {"required": True, "anonymous_status": 401, "wrong_key_status": 401}
     assert entry["endpoint"] == "http://127.0.0.1:36501" and entry["served_ids"] == ["tiny"]
-    assert report["run"]["stopped_at"] is None
+    assert report["run"]["stopped_at"] is None and report["run"]["strategy"] == "linear"
     text = markdown(report)
     assert "Verified: **yes**" in text and "- API key: required; without it HTTP 401" in text
+    assert "- site.yml: successful in 12.3 s, 0 changed, under Ansible's linear strategy" in text
+    mitogen = site_run(answers=RECORDED)
+    mitogen.strategy = "mitogen_linear"
+    shown = markdown(build_report(box(tmp_path, api_key={"env": "K"}), CPU_PROFILE, plan_of(service()), mitogen,
+                                  copy.deepcopy(RECORDED), 0.5))
+    assert "0 changed, under Ansible's mitogen_linear strategy" in shown
 
 
 def test_a_server_without_its_key_checked_is_reported_unverified(tmp_path):
