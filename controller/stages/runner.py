@@ -229,6 +229,10 @@ def _host_key_problem(host: str, message: str, inventory: Path) -> str | None:
     if "Host key verification failed" in message:
         return (f"box {host}: host key refused by Ansible: no key for it in {known}; run `controller probe {host}` "
                 f"(it records the key on first contact) or set host_key in the fleet file")
+    if "SSH reported an unrecognized or mismatching host key" in message:  # mitogen's words (its own ssh reader)
+        return (f"box {host}: host key refused by Ansible: the box does not present the key recorded for it in "
+                f"{known} (someone may be intercepting the connection); `controller probe {host}` shows the key it "
+                f"presents now and the command that accepts it if the box was reinstalled")
     return None
 
 

@@ -23,6 +23,7 @@ from controller.model.fleet import load_fleet
 from controller.stages.probe import parse_outputs
 from controller.stages.probe.collect import probe_box
 from controller.stages.runner import run_playbook
+from controller.stages.strategy import MITOGEN
 from controller.stages.transports.known_hosts import parse_public_key
 from lab import standin_smi
 from lab.target import Target
@@ -195,6 +196,12 @@ def test_first_contact_records_the_host_key_and_a_changed_key_is_refused(
     message = str(ansible_refused.value)
     assert message.startswith(f"box lab2: host key refused by Ansible: the box presents ed25519 {second.fingerprint}")
     assert f"ssh-keygen -R '[127.0.0.1]:{port}' -f {known}" in message and "\n" not in message
+    # Under mitogen's strategy (a provision that runs every role) the same recorded key is checked.
+    with pytest.raises(TransportError) as mitogen_refused:
+        run_playbook(str(play), inventory=inventory, strategy=MITOGEN)
+    message = str(mitogen_refused.value)
+    assert message.startswith(f"box lab2: host key refused by Ansible: the box does not present the key recorded "
+                              f"for it in {known}") and "\n" not in message
 
     done = controller("driver", "lab2", "--fleet", str(fleet), "--inventory", str(inventory))
     assert done.returncode == 3 and "Traceback" not in done.stderr
