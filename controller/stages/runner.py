@@ -41,6 +41,7 @@ import yaml
 from controller import COLLECTION
 from controller.errors import RunError, TransportError
 from controller.inventory import Inventory
+from controller.stages.strategy import LINEAR
 from controller.stages.strategy import environment as strategy_environment
 from controller.stages.transports.known_hosts import forget_command
 
@@ -94,7 +95,7 @@ class RunResult:
     data: dict[str, Any] = field(default_factory=dict)  # what the play published with set_stats
     artifact_dir: Path | None = None
     last_task: str | None = None  # the last task started ("host: task" where a host started it)
-    strategy: str = "linear"  # the Ansible strategy it ran under (controller.stages.strategy)
+    strategy: str = LINEAR  # the Ansible strategy it ran under (controller.stages.strategy)
 
     @property
     def changed(self) -> int:
@@ -422,7 +423,7 @@ def run_playbook(
     forks: int | None = None,
     raise_on_failure: bool = True,
     hosts_file: Path | None = None,
-    strategy: str = "linear",
+    strategy: str = LINEAR,
 ) -> RunResult:
     """Run ``playbooks/<playbook>`` and return its result; raise RunError or TransportError on failure,
     RunInterrupted on Ctrl-C (after ansible-playbook stopped).

@@ -2,7 +2,7 @@
 ``linear``.
 
 Mitogen keeps one Python on each box for the whole play, so a task costs the box no interpreter start and module
-unpacking (about 385 CPU-ms a module run on the 2-core lab, a quarter of the test suite's CPU), and the controller
+unpacking (about 385 CPU-ms a module run on the 2-core lab, 23 % of the CPU of the suite's integration part), and the controller
 no connection round trip a file it sends. That pays when the roles run in full: a fresh demo box 44.6 -> 25.3 s,
 its CPU on the box 23.0 -> 5.2 s. It costs a box its bootstrap (mitogen's own Python sent over SSH) when the play
 ends after the converged fast path's one comparison: a converged rerun 7.6 -> 8.9 s, six 13.7 -> 19.3 s

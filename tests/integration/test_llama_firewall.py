@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from controller.stages import strategy
 from lab import image as lab_image
-from lab import mitogen_strategy
 from lab import target as lab_target
 from lab.host import debian_packages
 
@@ -92,7 +92,7 @@ def box(target_image):
 
 def _converge(name: str, tmp_path: Path, *, check_mode: bool = False, **variables: object) -> str:
     inventory = tmp_path / "hosts.yml"
-    # Under mitogen's strategy, as the molecule scenarios run the roles (lab/mitogen_strategy.py): one Python in the box
+    # Under mitogen's strategy, as the molecule scenarios run the roles (controller/stages/strategy.py): one Python in the box
     # for the whole play instead of a `podman exec` or `podman cp` or more a task. Its podman connection takes the
     # plugin's short name.
     inventory.write_text(yaml.safe_dump({"all": {"hosts": {name: {
@@ -102,7 +102,7 @@ def _converge(name: str, tmp_path: Path, *, check_mode: bool = False, **variable
     extra = tmp_path / "vars.yml"
     extra.write_text(yaml.safe_dump(variables))
     env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(ROOT), "ANSIBLE_NOCOLOR": "1",
-           "ANSIBLE_HOST_KEY_CHECKING": "False", **mitogen_strategy.ansible_environment()}
+           "ANSIBLE_HOST_KEY_CHECKING": "False", **strategy.environment(strategy.MITOGEN)}
     done = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inventory), str(playbook),
                            "-e", f"@{extra}", *(["--check"] if check_mode else [])], env=env, capture_output=True, text=True, check=False, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

@@ -34,7 +34,8 @@ import pytest
 import yaml
 
 from controller.model import rules
-from lab import aptrepo, haproxy, mitogen_strategy, standin_smi
+from controller.stages import strategy
+from lab import aptrepo, haproxy, standin_smi
 from lab.fileserver import FileServer
 from lab.host import debian_packages
 from lab.site import PACK_NAME, sha256_file
@@ -176,7 +177,7 @@ def scenario_env(lab_site, target_image):
 def _molecule(role: str, scenario: str, port: int, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     molecule_id = f"{role}-{scenario}-{port}"
     env = {**env, "V100BOX_TEST_PORT": str(port), "V100BOX_MOLECULE_ID": molecule_id,
-           **mitogen_strategy.ansible_environment()}
+           **strategy.environment(strategy.MITOGEN)}
     try:
         return subprocess.run(["molecule", "test", "--scenario-name", scenario],
                               cwd=ROOT / "ansible_collections/v100box/llm/roles" / role, env=env,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lab import mitogen_strategy
+from controller.stages.strategy import LINEAR, MITOGEN, environment
 
 ROOT = Path(__file__).resolve().parents[3]
 MODULES = ROOT / "ansible_collections/v100box/llm/plugins/modules"
@@ -47,7 +47,7 @@ def test_each_shell_gets_its_own_file(tmp_path):
     assert found["action"] == str(ROOT / "ansible_collections/v100box/llm/plugins/action/llama_api_check.py")
 
 
-@pytest.mark.parametrize("strategy", ["linear", mitogen_strategy.STRATEGY])
+@pytest.mark.parametrize("strategy", [LINEAR, MITOGEN])
 def test_a_linux_host_runs_the_python_module(tmp_path, strategy):
     """Through ansible-playbook, as a Linux box: the Python module answers (a dead port: health unreachable), with
     the collection's module_utils shipped in its payload; under the plain strategy and under mitogen's (which the
@@ -59,7 +59,7 @@ def test_a_linux_host_runs_the_python_module(tmp_path, strategy):
         "      register: answer\n      ignore_errors: true\n"
         "    - name: Show it\n      ansible.builtin.debug: {var: answer}\n")
     env = {**ansible_env(tmp_path), "ANSIBLE_STDOUT_CALLBACK": "ansible.posix.json",
-           **(mitogen_strategy.ansible_environment() if strategy == mitogen_strategy.STRATEGY else {})}
+           **environment(strategy)}
     done = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", "-c", "local",
                            "-e", f"ansible_python_interpreter={sys.executable}", str(tmp_path / "play.yml")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, check=False, timeout=120)
