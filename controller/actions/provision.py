@@ -134,7 +134,8 @@ def provision(fleet: Fleet, names: Sequence[str], inventory: Path, *, fleet_path
         choice: Choice | None = None
         if ready:
             forks = max(1, min(len(ready), MAX_FORKS))
-            stamps = {name: inputs_stamp(folder.host_vars_file(name)) for name in ready}
+            stamps = {name: inputs_stamp(planned[name].box, folder.host_vars_file(name), folder.known_hosts_file)
+                      for name in ready}
             choice = choose([planned[name].box for name in ready], stamps, folder.last_ok_inputs(), full=full)
             folder.record_last_ok(dict.fromkeys(ready))  # a run that stops or fails leaves them forgotten
             spans = Spans()

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from controller.model.fleet import Box
+from controller.stages.transports.known_hosts import entry_name, lookup
 
 LINEAR = "linear"
 MITOGEN = "mitogen_linear"
@@ -57,14 +58,21 @@ def not_for_mitogen(box: Box) -> str | None:
     return None
 
 
-def inputs_stamp(host_vars: Path) -> str | None:
+def inputs_stamp(box: Box, host_vars: Path, known_hosts: Path) -> str | None:
     """What a box's run is expected from: its rendered host variables (the plan, the packs, the models, the
-    settings); None where there are none. The box's own comparison covers the rest (the collection, the facts,
-    the secrets)."""
+    settings) and the machine it reaches (address, port and the host keys recorded for them, so a box replaced by
+    a new machine at the same address, or the demo's box started anew on another port, is expected to run every
+    role); None where there are no host variables. The box's own comparison covers the rest (the collection, the
+    facts, the secrets)."""
     try:
-        return hashlib.sha256(host_vars.read_bytes()).hexdigest()
+        digest = hashlib.sha256(host_vars.read_bytes())
     except FileNotFoundError:
         return None
+    name = entry_name(box.address, box.effective_port)
+    digest.update(name.encode())
+    for _line, key in lookup(known_hosts, name) if known_hosts.is_file() else []:
+        digest.update(f"\0{key.get_name()} {key.get_base64()}".encode())
+    return digest.hexdigest()
 
 
 def choose(boxes: Iterable[Box], stamps: Mapping[str, str | None], last_ok: Mapping[str, str], *,
@@ -82,8 +90,8 @@ def choose(boxes: Iterable[Box], stamps: Mapping[str, str | None], last_ok: Mapp
         if box.name not in last_ok:
             return Choice(MITOGEN, f"{box.name} has no run that ended ok on record: every role is expected to run")
         if stamps.get(box.name) is None or last_ok[box.name] != stamps[box.name]:
-            return Choice(MITOGEN, f"{box.name}'s rendered inputs changed since its last run that ended ok: every "
-                                   "role is expected to run")
+            return Choice(MITOGEN, f"{box.name}'s rendered inputs or recorded host key changed since its last run "
+                                   "that ended ok: every role is expected to run")
     return Choice(LINEAR, "every box is expected to match the record of its last full run (one comparison each)")
 
 

@@ -31,7 +31,7 @@ LAYERS = [
 ]
 # The stages in the order a box goes through them (ARCHITECTURE.md's picture); transports are the probe's edge,
 # which the runner's known-hosts handling also uses.
-STAGES = ["transports", "probe", "estimate", "planner", "render", "runner", "playbook_guard", "verify"]
+STAGES = ["transports", "probe", "estimate", "planner", "render", "strategy", "runner", "playbook_guard", "verify"]
 
 
 def module_name(path: Path) -> str:

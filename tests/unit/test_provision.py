@@ -181,7 +181,16 @@ def test_a_run_goes_under_mitogen_when_a_box_is_expected_to_run_every_role(tmp_p
 
     write_fleet(tmp_path, ctx=4096)  # a new plan: the box runs every role
     changed = strategy()
-    assert changed.strategy == MITOGEN and changed.reason.startswith("box1's rendered inputs changed")
+    assert changed.strategy == MITOGEN and changed.reason == ("box1's rendered inputs or recorded host key changed "
+                                                              "since its last run that ended ok: every role is "
+                                                              "expected to run")
+    assert strategy().strategy == LINEAR
+    # The box was replaced by a new machine at its address: its new host key is recorded, the plan is the same.
+    import paramiko
+
+    from controller.stages.transports.known_hosts import record
+    record(Inventory(inventory).known_hosts_file, "192.0.2.10", paramiko.RSAKey.generate(1024))
+    assert strategy().reason.startswith("box1's rendered inputs or recorded host key changed")
     assert strategy().strategy == LINEAR
 
     machine["failing"].add("box1")
