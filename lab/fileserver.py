@@ -68,6 +68,7 @@ class _CountedFileResponse(web.FileResponse):
     async def _sendfile(self, request: web.BaseRequest, fobj: Any, offset: int, count: int) -> Any:
         cut = self._server.drop_after
         send = count if cut is None else min(cut, count)
+        self._server._begin_send()
         try:
             if self._server.rate:
                 writer = await self._paced(request, fobj, offset, send, self._server.rate)
@@ -119,7 +120,8 @@ class FileServer:
         self.rate: float | None = None
         self.requests: list[Seen] = []
         self._bytes_sent = 0
-        self._lock = threading.Lock()
+        self._sending = 0  # bodies being sent now: their bytes are counted when each send ends
+        self._lock = threading.Condition()
         self._key = secrets.token_bytes(16)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -152,8 +154,12 @@ class FileServer:
 
     @property
     def bytes_sent(self) -> int:
-        """Response body bytes sent since start (or since ``reset_counters``)."""
+        """Response body bytes sent since start (or since ``reset_counters``).
+
+        A client can hold the whole body before the server's send has returned and been counted, so this waits
+        (up to 5 s) for the bodies being sent to end before it answers."""
         with self._lock:
+            self._lock.wait_for(lambda: self._sending == 0, timeout=5)
             return self._bytes_sent
 
     def reset_counters(self) -> None:
@@ -164,9 +170,16 @@ class FileServer:
     def hub_url(self, org: str, repo: str, file: str) -> str:
         return f"{self.url}/{org}/{repo}/resolve/main/{file}"
 
+    def _begin_send(self) -> None:
+        with self._lock:
+            self._sending += 1
+
     def _add_sent(self, count: int) -> None:
+        """Count what one send put out, and end it."""
         with self._lock:
             self._bytes_sent += count
+            self._sending -= 1
+            self._lock.notify_all()
 
     # -- lifecycle -------------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import os
 import ssl
@@ -123,3 +124,20 @@ def test_tls_serves_ranges_to_a_client_trusting_its_certificate(tmp_path: Path) 
             untrusting.request("GET", "/org/repo/resolve/main/model.gguf")
         ca_file = srv.ca_file
     assert not ca_file.exists()
+
+
+def test_the_count_includes_a_body_the_client_already_holds(server: FileServer, monkeypatch) -> None:
+    """The client can read the whole body before the server's send returns and is counted: the count waits for it."""
+    from aiohttp import web
+
+    original = web.FileResponse._sendfile
+
+    async def slow_to_return(self, request, fobj, offset, count):
+        writer = await original(self, request, fobj, offset, count)
+        await asyncio.sleep(0.5)  # the body is out; the server has not counted it yet
+        return writer
+
+    monkeypatch.setattr(web.FileResponse, "_sendfile", slow_to_return)
+    status, _, body = _get(server, "/org/repo/resolve/main/model.gguf")
+    assert (status, len(body)) == (200, len(DATA))
+    assert server.bytes_sent == len(DATA)
