@@ -140,7 +140,12 @@ class Progress:
                 f"unreachable={stats.unreachable} skipped={stats.skipped} in {result.elapsed:.1f}s"
             )
         if strategy is not None:
-            self.console.print(escape(f"Ansible strategy {strategy.strategy}: {strategy.reason}"))
+            self.console.print(strategy_line(strategy))
+
+
+def strategy_line(choice: Choice) -> str:
+    """The summaries' line naming the Ansible strategy of a provision and why (rich markup escaped)."""
+    return escape(f"Ansible strategy {choice.strategy}: {choice.reason}")
 
 
 def _fast_path_event(host: str, data: dict[str, Any]) -> dict[str, Any]:
@@ -274,7 +279,7 @@ class FleetProgress:
                            f"verified in {fleet_run.elapsed:.1f}s (probe and plan {fleet_run.prepare_seconds:.1f}s, "
                            f"{fleet_run.forks} forks)")
         if fleet_run.strategy is not None:
-            self.console.print(escape(f"Ansible strategy {fleet_run.strategy.strategy}: {fleet_run.strategy.reason}"))
+            self.console.print(strategy_line(fleet_run.strategy))
 
 
 def summary_table(fleet_run: Any) -> Any:

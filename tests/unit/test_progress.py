@@ -58,3 +58,17 @@ def test_the_fast_path_decision_is_said_in_words_and_in_json():
     out = io.StringIO()
     FleetProgress(["box3"], as_json=True, stream=out)(_event("ok", "Compare", converged=True, reasons=[], entries=9))
     assert json.loads(out.getvalue().splitlines()[0])["converged"] is True
+
+
+def test_a_provisions_summary_names_its_ansible_strategy_and_why():
+    from controller.stages.runner import HostStats, RunResult
+    from controller.stages.strategy import LINEAR, Choice
+
+    result = RunResult("site.yml", "successful", 0, 2.5, stats={"box1": HostStats(ok=9)})
+    choice = Choice(LINEAR, "every box is expected to match the record of its last full run (one comparison each)")
+    out = io.StringIO()
+    Progress(stream=out).summary(result, choice)
+    assert out.getvalue().splitlines()[-1] == f"Ansible strategy linear: {choice.reason}"
+    out = io.StringIO()
+    Progress(stream=out, as_json=True).summary(result, choice)
+    assert json.loads(out.getvalue())["strategy"] == {"name": "linear", "reason": choice.reason}
