@@ -12,6 +12,8 @@ re-parented to init, against a box a second controller was already provisioning.
   (setsid), so they are no process group's members, but whatever of the run loses its parent comes back to
   the guard, and the run is every process below it;
 * ansible-playbook gets SIGKILL when the guard dies (killed with the controller, it cleans up nothing);
+* when ansible-playbook has ended, its workers still running (after Ctrl-C, one may be in the middle of a task)
+  get a few seconds, then SIGKILL: the run is over when the guard exits;
 * ansible-playbook and its workers (forked) hold the inventory's run mutex shared, so a second controller
   on the inventory waits until the last of them ended (controller.inventory.Inventory.mutex).
 
@@ -36,6 +38,10 @@ PR_SET_CHILD_SUBREAPER = 36
 PARENT_DEATH_SIGNAL = signal.SIGTERM
 WATCH_INTERVAL_S = 0.5  # how often the parent's pid is checked, should the parent-death signal not come
 KILL_DEADLINE_S = 10.0
+# After ansible-playbook ended: how long its workers still running get before SIGKILL (an interrupted run's go on
+# with their task otherwise). Below the controller's grace after Ctrl-C (runner.STOP_GRACE_S), which counts this
+# process among the run's.
+WORKER_GRACE_S = 3.0
 ORPHANED_EXIT = 137
 
 
@@ -86,6 +92,38 @@ def _reap() -> None:
             return
         if pid == 0:
             return
+
+
+def _workers(argv: list[str]) -> list[int]:
+    """The processes below the guard that are ansible-playbook's: its forked workers carry its command line."""
+    tail = [part.encode() for part in argv]
+    found = []
+    for pid in _descendants(os.getpid()):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]
+        except OSError:
+            continue
+        if cmdline[-len(tail):] == tail and any(part.endswith(b"ansible-playbook") for part in cmdline[:-len(tail)]):
+            found.append(pid)
+    return found
+
+
+def end_workers(argv: list[str]) -> None:
+    """ansible-playbook has ended; its workers, in sessions of their own, need not have: after Ctrl-C one may still
+    run its task on the box. They get WORKER_GRACE_S, then SIGKILL, so that the run is over when the guard exits."""
+    deadline = time.monotonic() + WORKER_GRACE_S
+    while True:
+        _reap()
+        left = _workers(argv)
+        if not left or time.monotonic() > deadline + 2.0:
+            return
+        if time.monotonic() > deadline:
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        time.sleep(0.05)
 
 
 def end_run(run_dir: str) -> NoReturn:
@@ -140,6 +178,7 @@ def main(argv: list[str]) -> int:
             except subprocess.TimeoutExpired:
                 if os.getppid() != parent:
                     raise _Orphaned from None
+        end_workers(argv[split + 1:])
         signal.signal(PARENT_DEATH_SIGNAL, signal.SIG_IGN)  # the run is over: nothing left to kill
     except _Orphaned:
         end_run(run_dir)
