@@ -43,9 +43,11 @@ pytestmark = [pytest.mark.podman, pytest.mark.engine, pytest.mark.slow]
 API_KEY = "sk-gw-box-key-never-logged-7373"
 GATEWAY_KEY = "sk-gw-gateway-key-never-logged-9191"
 WRONG_KEY = "sk-gw-wrong-key-never-logged-5151"
-# Trained (in their headers) for a context Claude Code fits in; build_site writes them from these recipes.
-MODELS = (LabModel("tiny-gw-a", "tiny-gw-a-q8_0.gguf", "llama", n_ctx_train=65536),
-          LabModel("tiny-gw-b", "tiny-gw-b-q8_0.gguf", "llama", n_ctx_train=65536))
+# Trained (in their headers) for a context Claude Code fits in; build_site writes them from these recipes. Scripted
+# (as the demo box's model): Claude Code's turn ends with the model's answer. A random model ends its replies where
+# sampling happens to stop: the same turn took 15 s in one full run and 105 s in the next.
+MODELS = (LabModel("tiny-gw-a", "tiny-gw-a-q8_0.gguf", "llama", n_ctx_train=65536, scripted=True),
+          LabModel("tiny-gw-b", "tiny-gw-b-q8_0.gguf", "llama", n_ctx_train=65536, scripted=True))
 CTX = 32768  # Claude Code's system prompt and tools are ~15k tokens
 
 controller = partial(run_controller, timeout=900)

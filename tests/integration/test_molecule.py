@@ -174,23 +174,27 @@ def scenario_env(lab_site, target_image):
 # a step. The instances are made by .config/molecule/create.yml (a plain `podman run`, which mitogen runs as it does
 # any command). The product's own runs (the integration tests' provisions, `ansible-playbook site.yml`) keep
 # Ansible's plain strategy.
-def _molecule(role: str, scenario: str, port: int, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+# Each run keeps molecule's state (which instances exist, its inventory) in a folder of its own, new and empty, so no
+# instance can be left over for the first destroy of the test sequence to remove, and the instance is removed here
+# with one podman call: `--destroy=never` skips both destroy steps, two ansible-playbook runs a scenario (the
+# sequence keeps them for runs by hand).
+def _molecule(role: str, scenario: str, port: int, env: dict[str, str],
+              state: Path) -> subprocess.CompletedProcess[str]:
     molecule_id = f"{role}-{scenario}-{port}"
     env = {**env, "V100BOX_TEST_PORT": str(port), "V100BOX_MOLECULE_ID": molecule_id,
-           **strategy.environment(strategy.MITOGEN)}
+           "MOLECULE_EPHEMERAL_DIRECTORY": str(state), **strategy.environment(strategy.MITOGEN)}
     try:
-        return subprocess.run(["molecule", "test", "--scenario-name", scenario],
+        return subprocess.run(["molecule", "test", "--scenario-name", scenario, "--destroy", "never"],
                               cwd=ROOT / "ansible_collections/v100box/llm/roles" / role, env=env,
                               capture_output=True, text=True, timeout=1500, check=False)
     finally:
-        # `molecule test` destroys the instance itself, a failed run's too; this is for one it could not finish.
         subprocess.run(["podman", "rm", "--force", "--ignore", "--time", "0", f"v100box-molecule-{molecule_id}"],
                        capture_output=True, check=False)
 
 
 @pytest.mark.parametrize(("role", "scenario"), SCENARIOS, ids=[f"{r}-{s}" for r, s in SCENARIOS])
-def test_molecule_scenario(role, scenario, scenario_env):
-    done = _molecule(role, scenario, _free_ports(), scenario_env)
+def test_molecule_scenario(role, scenario, scenario_env, tmp_path):
+    done = _molecule(role, scenario, _free_ports(), scenario_env, tmp_path / "molecule")
     output = done.stdout + done.stderr
     failures = [line for line in output.splitlines() if line.startswith(("fatal:", "failed:", "ERROR!", "[ERROR]"))
                 or "UNREACHABLE" in line]

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.plugins.schedule import scope_of
+from tests.plugins.schedule import ordered_units, scope_of
 
 ROOT = Path(__file__).resolve().parents[2]
 # Each test records which worker ran it, and when, into one line of the log.
@@ -33,7 +33,7 @@ def _suite(folder: Path) -> None:
         "tests/unit/test_first.py": _tests("first", 4),
         "tests/unit/test_second.py": _tests("second", 4),
         "tests/integration/test_long.py": _tests("long", 3, 0.2),
-        "tests/integration/test_molecule.py": _tests("scenario", 2, 1.0),
+        "tests/integration/test_molecule.py": _tests("scenario", 3, 1.0),
     }
     for name, body in files.items():
         path = folder / name
@@ -54,7 +54,7 @@ def _run(folder: Path, *args: str) -> list[dict]:
 
 def test_a_file_stays_on_one_worker_in_order_and_each_scenario_is_its_own_unit(tmp_path):
     _suite(tmp_path)
-    runs = _run(tmp_path, "-n", "2")
+    runs = _run(tmp_path, "-n", "3")
     workers: dict[str, set[str]] = {}
     order: dict[str, list[str]] = {}
     for run in runs:
@@ -64,15 +64,28 @@ def test_a_file_stays_on_one_worker_in_order_and_each_scenario_is_its_own_unit(t
     for name in ("first", "second", "long"):
         assert len(workers[name]) == 1, (name, runs)  # one worker: module fixtures once, tests in their order
         assert order[name] == sorted(order[name]), (name, runs)
-    assert len(workers["scenario"]) == 2, runs  # the molecule scenarios side by side
-    assert {run["worker"] for run in runs} == {"gw0", "gw1"}
+    assert len(workers["scenario"]) > 1, runs  # the molecule scenarios side by side
+    assert {run["worker"] for run in runs} == {"gw0", "gw1", "gw2"}
 
 
 def test_the_longest_units_come_first_and_one_process_keeps_the_order(tmp_path):
     _suite(tmp_path)
     names = [run["test"] for run in _run(tmp_path, "-n", "0")]
-    assert names == ["scenario0", "scenario1", "long0", "long1", "long2", *(f"first{n}" for n in range(4)),
+    assert names == ["scenario0", "long0", "long1", "long2", "scenario1", "scenario2", *(f"first{n}" for n in range(4)),
                      *(f"second{n}" for n in range(4))]
+
+
+def test_a_scenario_goes_out_between_every_two_integration_files_the_longest_first():
+    scenario = "tests/integration/test_molecule.py::test_molecule_scenario[{}]".format
+    units = [(path, []) for path in (
+        "tests/unit/test_cli.py", scenario("a"), scenario("b"), scenario("c"), "tests/integration/test_short.py",
+        "tests/integration/test_seal.py", "tests/integration/test_fleet_status.py", "tests/unit/lab/test_site.py",
+        "tests/integration/test_wheel.py", "tests/integration/test_lint.py")]
+    order = [scope for scope, _tests in ordered_units(units)]
+    assert order == [scenario("a"), "tests/integration/test_fleet_status.py", "tests/integration/test_seal.py",
+                     scenario("b"), "tests/integration/test_lint.py", "tests/integration/test_wheel.py",
+                     scenario("c"), "tests/integration/test_short.py",  # measured files by their time, then the rest
+                     "tests/unit/test_cli.py", "tests/unit/lab/test_site.py"]
 
 
 def test_the_scope_is_the_file_or_the_scenario():
