@@ -13,13 +13,14 @@ from pathlib import Path
 from controller.stages import playbook_guard
 
 # Forks a worker into a session of its own (as ansible-core's workers are), prints its pid and ends at once; the
-# worker would run for a minute.
+# worker writes its marker file when its time is up, unless it was killed first.
 STAND_IN = f"""#!{sys.executable}
 import os, sys, time
 worker = os.fork()
 if worker == 0:
     os.setsid()
     time.sleep({{worker_seconds}})
+    open({{marker!r}}, "w").close()
     os._exit(0)
 print(worker, flush=True)
 """
@@ -37,7 +38,8 @@ def _guard(tmp_path: Path, worker_seconds: float) -> tuple[subprocess.CompletedP
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     stand_in = bin_dir / "ansible-playbook"
-    stand_in.write_text(STAND_IN.replace("{worker_seconds}", str(worker_seconds)))
+    stand_in.write_text(STAND_IN.replace("{worker_seconds}", str(worker_seconds))
+                        .replace("{marker!r}", repr(str(tmp_path / "worker-finished"))))
     stand_in.chmod(0o755)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -55,6 +57,7 @@ def test_a_worker_still_running_when_ansible_playbook_ends_is_killed_before_the_
     assert done.returncode == 0, done.stderr
     worker = int(done.stdout.split()[0])
     assert not _alive(worker), f"worker {worker} outlived the guard"
+    assert not (tmp_path / "worker-finished").exists()
     assert playbook_guard.WORKER_GRACE_S <= took < playbook_guard.WORKER_GRACE_S + 10
 
 
@@ -62,4 +65,5 @@ def test_a_worker_that_ends_within_the_grace_is_waited_for_not_killed(tmp_path):
     done, took = _guard(tmp_path, 0.5)
     assert done.returncode == 0, done.stderr
     assert not _alive(int(done.stdout.split()[0]))
-    assert 0.5 <= took < playbook_guard.WORKER_GRACE_S
+    assert (tmp_path / "worker-finished").exists()  # it ended by itself: waited for, not killed
+    assert took >= 0.5
