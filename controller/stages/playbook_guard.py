@@ -94,6 +94,15 @@ def _reap() -> None:
             return
 
 
+def _kill(pids: list[int]) -> None:
+    """SIGKILL each of ``pids`` that still exists."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def _workers(argv: list[str]) -> list[int]:
     """The processes below the guard that are ansible-playbook's: its forked workers carry its command line."""
     tail = [part.encode() for part in argv]
@@ -118,11 +127,7 @@ def end_workers(argv: list[str]) -> None:
         if not left or time.monotonic() > deadline + 2.0:
             return
         if time.monotonic() > deadline:
-            for pid in left:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
+            _kill(left)
         time.sleep(0.05)
 
 
@@ -135,11 +140,7 @@ def end_run(run_dir: str) -> NoReturn:
         family = _descendants(os.getpid())  # a killed process's children come back here (subreaper)
         if not family:
             break
-        for pid in family:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        _kill(family)
         time.sleep(0.02)
         _reap()
     os._exit(ORPHANED_EXIT)
