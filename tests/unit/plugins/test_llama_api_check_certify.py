@@ -162,3 +162,13 @@ def test_the_verify_role_records_the_certification(tool_server, tmp_path):
     assert plain.returncode == 0, plain.stdout[-3000:]
     recorded = json.loads(plain.stdout[plain.stdout.index("{"):])["global_custom_stats"]["llama_verify"]["localhost"]
     assert set(recorded["tiny"]) == {"model", "port", "health", "served_ids", "openai", "anthropic", "auth"}
+    # No key in the inventory: the module reads the server's key file on the host (<key_dir>/<name>.key).
+    key_dir = tmp_path / "keys"
+    key_dir.mkdir()
+    (key_dir / "tiny.key").write_text(KEY + "\n")
+    from_file = run_playbook(tmp_path, plays, dict(extra, llama_verify_certify=False, llama_verify_api_key="",
+                                                   llama_verify_key_dir=str(key_dir)), json_output=True, windows=False)
+    assert from_file.returncode == 0, from_file.stdout[-3000:]
+    assert KEY not in from_file.stdout
+    recorded = json.loads(from_file.stdout[from_file.stdout.index("{"):])["global_custom_stats"]["llama_verify"]["localhost"]
+    assert recorded["tiny"]["auth"] == {"required": True, "anonymous_status": 401, "wrong_key_status": 401}

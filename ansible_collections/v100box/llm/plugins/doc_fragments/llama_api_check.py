@@ -28,6 +28,13 @@ options:
         so the key never leaves the host).
     type: str
     default: ""
+  api_key_file_optional:
+    description:
+      - When true, a I(api_key_file) that does not exist means the server has no key (it is served without one), so
+        no key is sent and no refusal is checked; any other error reading it still fails. When false, a missing file
+        fails the module.
+    type: bool
+    default: false
   prompt:
     description: User message sent through each API.
     type: str

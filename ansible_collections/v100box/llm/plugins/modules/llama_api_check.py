@@ -475,6 +475,7 @@ def main():
             model=dict(type="str", required=True),
             api_key=dict(type="str", default="", no_log=True),
             api_key_file=dict(type="str", default=""),
+            api_key_file_optional=dict(type="bool", default=False),
             prompt=dict(type="str", default="Say hello in five words."),
             max_tokens=dict(type="int", default=16, no_log=False),
             timeout=dict(type="int", default=120),
@@ -495,6 +496,10 @@ def main():
     if not api_key and params["api_key_file"]:
         try:
             api_key = read_key_file(params["api_key_file"])
+        except FileNotFoundError as exc:
+            if not params["api_key_file_optional"]:
+                module.fail_json(msg=f"cannot read the key file {params['api_key_file']}: {exc.strerror}",
+                                 health="unknown")
         except OSError as exc:
             module.fail_json(msg=f"cannot read the key file {params['api_key_file']}: {exc.strerror}",
                              health="unknown")

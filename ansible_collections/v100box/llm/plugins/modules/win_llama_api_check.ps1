@@ -23,6 +23,7 @@ $spec = @{
         model = @{ type = 'str'; required = $true }
         api_key = @{ type = 'str'; default = ''; no_log = $true }
         api_key_file = @{ type = 'str'; default = '' }
+        api_key_file_optional = @{ type = 'bool'; default = $false }
         prompt = @{ type = 'str'; default = 'Say hello in five words.' }
         max_tokens = @{ type = 'int'; default = 16 }
         timeout = @{ type = 'int'; default = 120 }
@@ -49,8 +50,10 @@ foreach ($name in @('throughput_max_tokens', 'throughput_runs')) {
 }
 $model = $module.Params.model
 $apiKey = $module.Params.api_key
-if (-not $apiKey -and $module.Params.api_key_file) {
-    # The server's own key file, read on the host, so the key never leaves it.
+if (-not $apiKey -and $module.Params.api_key_file -and -not ($module.Params.api_key_file_optional -and
+        -not [System.IO.File]::Exists($module.Params.api_key_file))) {
+    # The server's own key file, read on the host, so the key never leaves it (an optional one that is not there:
+    # the server has no key).
     try {
         $apiKey = ([System.IO.File]::ReadAllLines($module.Params.api_key_file) | Select-Object -First 1).Trim()
     }
