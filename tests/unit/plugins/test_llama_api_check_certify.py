@@ -172,3 +172,20 @@ def test_the_verify_role_records_the_certification(tool_server, tmp_path):
     assert KEY not in from_file.stdout
     recorded = json.loads(from_file.stdout[from_file.stdout.index("{"):])["global_custom_stats"]["llama_verify"]["localhost"]
     assert recorded["tiny"]["auth"] == {"required": True, "anonymous_status": 401, "wrong_key_status": 401}
+
+
+def test_the_verify_role_checks_the_servers_of_every_host_in_one_task(tool_server, tmp_path):
+    # Two boxes of one run whose servers differ (here by name): each check is one task for both, not a copy of the
+    # checks per box, which the linear strategy would run one box after the other.
+    plays = [{"name": "Verify", "hosts": "all", "gather_facts": False, "roles": [{"role": "v100box.llm.llama_verify"}]}]
+    hosts = {box: {"llama_verify_instances": [{"name": f"tiny-{box}", "model": "tiny", "port": tool_server.port}]}
+             for box in ("box-a", "box-b")}
+    done = run_playbook(tmp_path, plays, {"llama_verify_api_key": KEY, "llama_verify_max_tokens": 4},
+                        json_output=True, windows=False, hosts=hosts)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(done.stdout[done.stdout.index("{"):])
+    checks = [task for task in report["plays"][0]["tasks"] if "Check health" in task["task"]["name"]]
+    assert [sorted(task["hosts"]) for task in checks] == [["box-a", "box-b"]], [task["task"]["name"] for task in checks]
+    answers = report["global_custom_stats"]["llama_verify"]
+    assert {box: sorted(answers[box]) for box in hosts} == {"box-a": ["tiny-box-a"], "box-b": ["tiny-box-b"]}
+    assert answers["box-b"]["tiny-box-b"]["auth"]["required"] is True

@@ -39,8 +39,9 @@ def _bin(name: str) -> str:
 
 
 def run_playbook(tmp_path: Path, plays: list, extra_vars: dict | None = None, json_output: bool = False,
-                 windows: bool = True):
-    """Write the plays and an inventory for localhost into tmp_path and run them; returns the finished process."""
+                 windows: bool = True, hosts: dict[str, dict] | None = None):
+    """Write the plays and an inventory into tmp_path and run them; returns the finished process. The inventory is
+    localhost, or ``hosts`` (name: host variables), each reached over the local connection."""
     if windows:
         plays = [{**play, "pre_tasks": [LOOK_LIKE_WINDOWS, *play.get("pre_tasks", [])]} for play in plays]
     playbook = tmp_path / "play.yml"
@@ -51,10 +52,8 @@ def run_playbook(tmp_path: Path, plays: list, extra_vars: dict | None = None, js
             {
                 "all": {
                     "hosts": {
-                        "localhost": {
-                            "ansible_connection": "local",
-                            "ansible_python_interpreter": sys.executable,
-                        }
+                        name: {"ansible_connection": "local", "ansible_python_interpreter": sys.executable, **host_vars}
+                        for name, host_vars in (hosts or {"localhost": {}}).items()
                     }
                 }
             }
