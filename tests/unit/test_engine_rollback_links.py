@@ -4,6 +4,7 @@ slot not named is left alone."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -90,3 +91,27 @@ def test_nothing_to_roll_back_without_a_replaced_version(tmp_path, before):
     done = run_playbook(tmp_path, _play(root, tasks), windows=False)
     assert done.returncode == 0, done.stdout[-3000:]
     assert _links(slot) == {"current": "v1"}
+
+
+def test_boxes_of_one_run_with_different_packs_go_through_each_pack_together(tmp_path):
+    # Two boxes of one run, each with its own pack (another version): the pack's tasks run once for both boxes, not
+    # in a copy per box that the linear strategy would run one box after the other.
+    hosts = {}
+    for box, version in (("box-a", "v1"), ("box-b", "v2")):
+        root = tmp_path / box
+        _slot(root, "cpu", [version], current=version)
+        hosts[box] = {"llama_engine_root": str(root),
+                      "llama_engine_packs": [{"name": "cpu", "version": version,
+                                              "url": f"http://127.0.0.1:9/llama-cpu-{version}.tar.gz"}]}
+    plays = [{"name": "Install the packs", "hosts": "all", "gather_facts": False,
+              "pre_tasks": [{"name": "Neither Debian nor Red Hat: no runtime packages",
+                             "ansible.builtin.set_fact": {"ansible_os_family": "Other", "cacheable": True}}],
+              "tasks": [{"name": "Install", "ansible.builtin.include_role": {"name": "v100box.llm.llama_engine",
+                                                                              "tasks_from": "linux.yml"}}]}]
+    done = run_playbook(tmp_path, plays, json_output=True, windows=False, hosts=hosts)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    tasks = json.loads(done.stdout[done.stdout.index("{"):])["plays"][0]["tasks"]
+    reads = [task for task in tasks if "Read the installed versions and links" in task["task"]["name"]]
+    assert [sorted(task["hosts"]) for task in reads] == [["box-a", "box-b"]], [task["task"]["name"] for task in reads]
+    assert all(reads[0]["hosts"][box]["rc"] == 0 for box in hosts)
+    assert {box: _links(tmp_path / box / "cpu") for box in hosts} == {"box-a": {"current": "v1"}, "box-b": {"current": "v2"}}

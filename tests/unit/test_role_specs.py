@@ -130,3 +130,35 @@ def test_each_role_dispatches_by_os_and_has_docs_and_a_scenario(role: Path):
     assert (role / "tasks" / "windows.yml").is_file() or list(role.glob("tasks/windows-*.yml"))
     platforms = {p["name"] for p in yaml.safe_load((role / "meta/main.yml").read_text())["galaxy_info"]["platforms"]}
     assert "Windows" in platforms and "Debian" in platforms
+
+
+def _tasks(entries) -> list[dict]:
+    """Every task of a task list, those in blocks (and their rescue and always) included."""
+    found = []
+    for entry in entries or []:
+        if isinstance(entry, dict):
+            found.append(entry)
+            for part in ("block", "rescue", "always"):
+                found += _tasks(entry.get(part))
+    return found
+
+
+def test_an_included_file_in_a_loop_is_looped_over_by_position():
+    # The linear strategy runs an included file once for every group of boxes that included it with the same loop
+    # item: a loop over per-box data (packs, models, servers) makes a copy per box and runs them one box after
+    # another. Looping over positions (range) keeps the boxes of a fleet run together.
+    collection = ROOT / "ansible_collections/v100box/llm"
+    looped = []
+    for path in sorted([*collection.glob("roles/*/tasks/*.yml"), *collection.glob("roles/*/handlers/*.yml"),
+                        *collection.glob("playbooks/*.yml")]):
+        document = yaml.safe_load(path.read_text()) or []
+        plays = [entry for entry in document if isinstance(entry, dict) and "hosts" in entry]
+        entries = [task for play in plays for part in ("pre_tasks", "tasks", "post_tasks", "handlers")
+                   for task in play.get(part) or []] if plays else document
+        for task in _tasks(entries):
+            include = [key for key in task if key.endswith(("include_tasks", "include_role"))]
+            loop = task.get("loop", task.get("with_items"))
+            if include and loop is not None:
+                looped.append(path.relative_to(collection))
+                assert str(loop).replace(" ", "").startswith("{{range("), f"{path}: {task.get('name')} loops over {loop}"
+    assert looped  # the packs and the Windows models are still installed in a loop
