@@ -158,7 +158,8 @@ def test_the_verify_role_records_the_certification(tool_server, tmp_path):
     assert recorded["tool_call"]["ok"] and recorded["tool_call"]["tool_name"] == "get_time"
     assert recorded["streams"]["openai"]["ok"] and recorded["streams"]["anthropic"]["ok"]
     assert recorded["throughput"]["predicted_tokens"] == 64 and recorded["auth"]["required"] is True
-    plain = run_playbook(tmp_path, plays, dict(extra, llama_verify_certify=False), json_output=True, windows=False)
+    # "false" as `-e llama_verify_certify=false` hands it: a string, still false.
+    plain = run_playbook(tmp_path, plays, dict(extra, llama_verify_certify="false"), json_output=True, windows=False)
     assert plain.returncode == 0, plain.stdout[-3000:]
     recorded = json.loads(plain.stdout[plain.stdout.index("{"):])["global_custom_stats"]["llama_verify"]["localhost"]
     assert set(recorded["tiny"]) == {"model", "port", "health", "served_ids", "openai", "anthropic", "auth"}
