@@ -17,17 +17,15 @@ from tests.unit.windows.ansible_local import run_playbook
 
 pytestmark = pytest.mark.engine
 
-# ChatML whose tool calls are `<function=NAME>{json arguments}</function>` with no start marker before them. The
-# engine (llama.cpp 0c1e570) then makes tool_choice "any" a grammar that starts with the call, so even a model of
-# random weights calls the tool; with a start marker (`<tool_call>`, the Qwen templates), the grammar lets text come
-# first and a random model never reaches the marker.
+# The scripted model (the demo box's, lab/tinymodels.py): offered certify's get_time it calls it, after the tool
+# result it answers "Done.", and so does every plain turn, so the streams carry a reply every time. (A model of
+# random weights stopped at the first token now and then: an Anthropic stream of two events.)
 SERVER_ARGS = ["--alias", "tiny", "--api-key", KEY, "-c", "2048", "-np", "1", "--jinja"]
 
 
 @pytest.fixture(scope="module")
 def tool_server(llama_server, tmp_path_factory):
-    model = tinymodels.write_model(tmp_path_factory.mktemp("m") / "tools.gguf", "llama", file_type="q8_0",
-                                   chat_template=tinymodels.TOOL_CALL_TEMPLATE)
+    model = tinymodels.write_scripted_model(tmp_path_factory.mktemp("m") / "tools.gguf")
     with serve(llama_server, model, SERVER_ARGS) as running:
         yield running
 
