@@ -5,14 +5,10 @@ test_llama_service_preflight.py)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-import yaml
+from tests.unit.windows.ansible_local import run_playbook
 
-ROOT = Path(__file__).resolve().parents[1]
 LOOK_LIKE_WINDOWS = {"name": "Record that this host is a Windows box", "when": "pf_windows | default(false)",
                      "ansible.builtin.set_fact": {"ansible_os_family": "Windows", "cacheable": True}}
 
@@ -33,15 +29,7 @@ def run_preflights(tmp_path: Path, role: str, cases: dict[str, dict],
                "ansible.builtin.include_role": {"name": f"v100box.llm.{role}", "tasks_from": "preflight.yml"}}
     play = [{"name": f"Run the {role} preflight", "hosts": "all", "gather_facts": False,
              "pre_tasks": [LOOK_LIKE_WINDOWS], "tasks": [{**include, "vars": task_vars} if task_vars else include]}]
-    (tmp_path / "play.yml").write_text(yaml.safe_dump(play, sort_keys=False))
-    hosts = {name: {"ansible_connection": "local", "ansible_python_interpreter": sys.executable, **variables}
-             for name, variables in cases.items()}
-    (tmp_path / "hosts.yml").write_text(yaml.safe_dump({"all": {"hosts": hosts}}))
-    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
-           "ANSIBLE_STDOUT_CALLBACK": "ansible.posix.json", "ANSIBLE_FORKS": "8"}
-    done = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(tmp_path / "hosts.yml"),
-                           str(tmp_path / "play.yml")], cwd=ROOT, env=env, capture_output=True, text=True,
-                          check=False, timeout=600)
+    done = run_playbook(tmp_path, play, json_output=True, windows=False, hosts=cases, timeout=600)
     try:
         report = json.loads(done.stdout)
     except json.JSONDecodeError:

@@ -39,7 +39,7 @@ def _bin(name: str) -> str:
 
 
 def run_playbook(tmp_path: Path, plays: list, extra_vars: dict | None = None, json_output: bool = False,
-                 windows: bool = True, hosts: dict[str, dict] | None = None):
+                 windows: bool = True, hosts: dict[str, dict] | None = None, timeout: float = 300):
     """Write the plays and an inventory into tmp_path and run them; returns the finished process. The inventory is
     localhost, or ``hosts`` (name: host variables), each reached over the local connection."""
     if windows:
@@ -67,7 +67,7 @@ def run_playbook(tmp_path: Path, plays: list, extra_vars: dict | None = None, js
     env = dict(os.environ, ANSIBLE_CONFIG=str(PROJECT / "ansible.cfg"), ANSIBLE_NOCOLOR="1")
     if json_output:
         env |= {"ANSIBLE_STDOUT_CALLBACK": "ansible.posix.json", "ANSIBLE_SHOW_CUSTOM_STATS": "1"}
-    return subprocess.run(argv, cwd=PROJECT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    return subprocess.run(argv, cwd=PROJECT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def role_vars(role: str) -> list[str]:
