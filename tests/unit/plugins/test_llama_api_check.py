@@ -44,3 +44,25 @@ def test_missing_key_and_dead_server_fail_clearly(server, tmp_path):
     assert result["failed"] and "/v1/models answered HTTP 401" in result["msg"]
     dead = run_module(tmp_path, base_url=f"http://127.0.0.1:{free_port()}", model="tiny", timeout=5)
     assert dead["failed"] and dead["health"] == "unreachable" and "/health" in dead["msg"]
+
+
+def test_a_check_builds_one_tls_context_for_all_its_requests(server, tmp_path):
+    # Health, the model list, a turn through each API and two refusals: six requests, one TLS context (the CA store
+    # loaded once; ansible's open_url loads it for every request). sitecustomize counts the contexts built.
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import atexit, ssl\n"
+        "_real, _built = ssl.create_default_context, []\n"
+        "def _counting(*a, **k):\n"
+        "    _built.append(1)\n"
+        "    return _real(*a, **k)\n"
+        "ssl.create_default_context = _counting\n"
+        f"atexit.register(lambda: open({str(tmp_path / 'built')!r}, 'w').write(str(len(_built))))\n")
+    env = loader.module_env()
+    env["PYTHONPATH"] = f"{hook}:{env['PYTHONPATH']}"
+    done, result = loader.run_module("llama_api_check", tmp_path, {"base_url": server.url, "model": "tiny",
+                                                                   "api_key": KEY, "max_tokens": 2}, env=env)
+    assert not result.get("failed"), result
+    assert result["auth"]["anonymous_status"] == result["auth"]["wrong_key_status"] == 401
+    assert (tmp_path / "built").read_text() == "1"

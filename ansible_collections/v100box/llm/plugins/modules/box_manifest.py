@@ -92,8 +92,8 @@ import time
 import urllib.error
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.urls import open_url
 
+from ansible_collections.v100box.llm.plugins.module_utils.fetch import open_url
 from ansible_collections.v100box.llm.plugins.module_utils.systemd import show_properties
 
 VERSION = 1
