@@ -89,6 +89,11 @@ def test_three_boxes_at_once_one_failing_one_unreachable_then_converged_and_plai
         outcome = {box["box"]: box for box in summary["boxes"]}
         assert set(outcome) == {"lab1", "lab2", "lab3"} and all(box["verified"] for box in outcome.values())
         assert outcome["lab1"]["changed"] == 0 and outcome["lab2"]["changed"] == 0, summary
+        # One task publishes the comparisons of the whole run: each box's report has its own.
+        fast = {name: json.loads((inventory / "reports" / f"{name}.json").read_text())["fast_path"]
+                for name in outcome}
+        assert fast["lab1"] == fast["lab2"] == {"converged": True, "reasons": []}, fast
+        assert fast["lab3"]["converged"] is False and fast["lab3"]["reasons"], fast
 
         # Plain Ansible on the rendered inventory of the whole fleet: every box is listed; the fleet's group
         # limits the run; each box's key comes in as a host variable, as the controller hands it over.

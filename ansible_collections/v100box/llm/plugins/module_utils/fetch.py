@@ -2,10 +2,10 @@
 llama_burn_in).
 
 ``ansible.module_utils.urls.open_url`` builds a new TLS context for every request, plain HTTP ones included, and
-each build loads the system's CA certificates: about 23 ms of CPU on the box a request, most of a server check's own
-work (six requests without certification, more with it). Here a module run builds one context for each
-``validate_certs`` setting and every request of the run reuses it; everything else is ``open_url``'s: the same
-defaults, proxies from the environment, and a cookie jar of its own for each request.
+each build loads the system's CA certificates: about 23 ms of CPU on the box a request. A server check sends six
+requests (more with certification) and took 0.34 CPU-s on the lab, 0.20 with one context. Here a module run builds
+one context for each ``validate_certs`` setting and every request of the run reuses it; everything else is
+``open_url``'s: the same defaults, proxies from the environment, and a cookie jar of its own for each request.
 """
 
 from __future__ import annotations
