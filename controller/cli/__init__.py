@@ -7,6 +7,7 @@ prints; ``main()`` is the one place where a failure becomes a line on stderr and
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import time
@@ -19,10 +20,6 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from controller.cli import certify, clients, demo, estimate, plan, probe, provision, verify
-from controller.cli import lock as lock_command
-from controller.cli import seal as seal_command
-from controller.cli import status as status_command
 from controller.errors import ControllerError
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -31,18 +28,32 @@ INTERNAL_ERROR_EXIT = 70  # EX_SOFTWARE: a bug in the controller, not in its inp
 INTERRUPTED_EXIT = 130
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+# Each command's module, imported when the command runs (or --help lists them all): a command's start does not pay
+# for the others' imports (the estimator's gguf and numpy, the clients' and the certification's modules).
+COMMANDS = {
+    "provision": "provision", "render": "provision", "driver": "provision", "verify": "verify", "demo": "demo",
+    "estimate": "estimate", "plan": "plan", "probe": "probe", "clients": "clients", "certify": "certify",
+    "lock": "lock", "status": "status", "seal": "seal",
+}
+
+
+class _Commands(click.Group):
+    """A group whose commands are imported from ``controller.cli.<module>`` on first use (click's lazy group)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*COMMANDS, *super().list_commands(ctx)})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        module = COMMANDS.get(cmd_name)
+        if module is None:
+            return super().get_command(ctx, cmd_name)  # one added with add_command
+        return getattr(importlib.import_module(f"controller.cli.{module}"), cmd_name)
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="v100-llm-box")
 def cli() -> None:
     """Provision Tesla V100 boxes that serve GGUF models with llama.cpp."""
-
-
-for _command in (provision.provision, provision.render, provision.driver, verify.verify, demo.demo,
-                 estimate.estimate, plan.plan, probe.probe, clients.clients, certify.certify):
-    cli.add_command(_command)
-cli.add_command(lock_command.lock)
-cli.add_command(status_command.status)
-cli.add_command(seal_command.seal)
 
 
 def log_folder() -> Path:

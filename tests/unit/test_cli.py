@@ -131,3 +131,19 @@ def test_demo_from_an_install_without_the_clone_says_so_in_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "controller", "demo"], capture_output=True, text=True,
                           cwd=tmp_path, env=env, timeout=60, check=False)
     assert_one_line_error(done, 2, "controller demo runs from a clone", "no lab/ beside it")
+
+
+def test_each_command_imports_its_own_module_only():
+    # Every command is found by its name, and --help lists them all; running one imports its module and what that
+    # needs, not the others' (status does not pay for the estimator's gguf and numpy, nor for certify's modules).
+    from controller.cli import COMMANDS, cli
+
+    assert {name: cli.get_command(None, name).name for name in COMMANDS} == {name: name for name in COMMANDS}
+    listed = subprocess.run([sys.executable, "-m", "controller", "--help"], capture_output=True, text=True, cwd=REPO,
+                            check=True).stdout
+    assert all(f"  {name} " in listed for name in COMMANDS), listed
+    code = ("import sys\nfrom controller.cli import main\ntry:\n    main(['status', '--help'])\nexcept SystemExit:\n"
+            "    pass\nprint(sorted(name for name in ('controller.cli.estimate', 'controller.cli.certify', 'gguf', "
+            "'numpy', 'controller.cli.status') if name in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "['controller.cli.status']", done.stdout
