@@ -214,3 +214,46 @@ def test_units_are_read_from_one_systemctl_show_and_a_stopped_or_reloaded_unit_i
     assert box.compare(record, found) == [
         "unit a.service is inactive, was active", "unit a.service: systemd runs an older copy of its unit file",
         "unit b.service is inactive, was active", "unit b.service: systemd runs an older copy of its unit file"]
+
+
+@pytest.fixture(scope="module")
+def tiny(llama_server, tmp_path_factory):
+    from tests.unit.plugins.loader import tiny_server
+
+    with tiny_server(llama_server, tmp_path_factory.mktemp("m"), "manifest-key-0123456789", "-c", "1024",
+                     "-np", "1") as running:
+        yield running
+
+
+@pytest.mark.engine
+def test_a_converged_box_checks_its_servers_in_the_same_module_run(tmp_path, tiny):
+    """The fast path's one module run: the comparison and then llama_api_check's checks of every server, the key read
+    from the server's key file on the box; a server that answers wrong fails the run naming it, and a box that differs
+    from its record checks nothing (its full run checks the servers at its end)."""
+    from tests.unit.plugins.loader import run_module
+
+    (tmp_path / "tiny.key").write_text("manifest-key-0123456789\n")
+    instance = {"name": "llama-tiny", "model": "tiny", "port": int(tiny.url.rsplit(":", 1)[1])}
+    server = {"instance": instance, "model": "tiny", "first": True, "base_url": tiny.url,
+              "api_key_file": str(tmp_path / "tiny.key")}
+    args = {"state": "record", "path": str(tmp_path / "r.json"), "digest": "d", "managed": _tree(tmp_path / "box")}
+    run_module("box_manifest", tmp_path, args)
+    checked = {**args, "state": "check", "max_tokens": 2, "servers": [server]}
+    _done, answer = run_module("box_manifest", tmp_path, checked, timeout=180)
+    assert answer["converged"] is True and not answer.get("failed"), answer
+    (found,) = answer["servers"]
+    assert found["check"]["base_url"] == tiny.url and found["health"] == "ok" and found["served_ids"] == ["tiny"]
+    assert found["openai"]["object"] == "chat.completion" and found["anthropic"]["type"] == "message"
+    assert found["auth"] == {"required": True, "anonymous_status": 401, "wrong_key_status": 401}
+    assert "manifest-key-0123456789" not in json.dumps(answer)
+
+    _done, wrong = run_module("box_manifest", tmp_path, {**checked, "servers": [{**server, "model": "other"}]})
+    assert wrong["failed"] and wrong["converged"] is True, wrong
+    assert wrong["msg"] == f"{tiny.url}: serves ['tiny'], not other", wrong["msg"]
+    _done, keyless = run_module("box_manifest", tmp_path, {**checked, "servers": [{**server, "api_key_file": ""}]})
+    assert keyless["failed"] and "/v1/models answered HTTP 401" in keyless["msg"], keyless
+    assert (tmp_path / "r.json").exists()  # a failed check is no drift: the record stays
+
+    os.chmod(tmp_path / "box/etc/unit.env", 0o644)
+    _done, drifted = run_module("box_manifest", tmp_path, {**checked, "servers": [{**server, "model": "other"}]})
+    assert drifted["converged"] is False and not drifted.get("failed") and "servers" not in drifted, drifted

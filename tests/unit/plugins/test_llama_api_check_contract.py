@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 import yaml
@@ -115,9 +116,10 @@ def test_the_linux_module_returns_what_it_documents(monkeypatch):
 
     streams = {"/v1/chat/completions": [{"object": "chat.completion.chunk"}, "[DONE]"],
                "/v1/messages": [{"type": "message_start"}, {"type": "message_stop"}]}
-    monkeypatch.setattr(module, "call", call)
-    monkeypatch.setattr(module, "stream_events", lambda base, path, *args: iter(streams[path]))
-    monkeypatch.setattr(module, "status", lambda *args: 401)
+    checks = sys.modules[module.check.__module__]  # module_utils/api_check.py, where the module's checks live
+    monkeypatch.setattr(checks, "call", call)
+    monkeypatch.setattr(checks, "stream_events", lambda base, path, *args: iter(streams[path]))
+    monkeypatch.setattr(checks, "status", lambda *args: 401)
     result, problems = module.check("http://127.0.0.1:1", "tiny", "k" * 20, "hi", 4, 5, certify_box=True,
                                     throughput_max_tokens=4)
     assert problems == []
@@ -130,7 +132,7 @@ def test_the_linux_module_returns_what_it_documents(monkeypatch):
 def test_both_modules_certify_alike():
     """The same sub-fields of each stream's answer, the same tool and the same throughput prompt (the catalog's
     bands were measured with it, on either OS)."""
-    module = _linux_module()
+    module = sys.modules[_linux_module().check.__module__]  # module_utils/api_check.py: the Linux module's checks
     text = WINDOWS.read_text()
     for function, python in (("Test-OpenAIStream", module.check_openai_stream),
                              ("Test-AnthropicStream", module.check_anthropic_stream)):

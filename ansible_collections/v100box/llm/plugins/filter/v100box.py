@@ -82,9 +82,39 @@ def openclaw_problem(text: str, source: str = "the OpenClaw config") -> str:
     return ""
 
 
+_ANSWER_FIELDS = ("health", "served_ids", "openai", "anthropic", "auth")
+_CERTIFY_FIELDS = ("tool_call", "streams", "throughput")
+
+
+def verify_results(answers: list[dict], check_key: str = "check") -> dict[str, dict]:
+    """The servers' answers as ``llama_verify`` publishes them (``set_stats`` ``llama_verify``, read by the controller's
+    verdict): by server name, its own model's answers with its model and port, and for an on-demand router each of its
+    models' answers under ``models``.
+
+    ``answers`` are ``llama_api_check`` results, each with the check it answers under ``check_key`` (``instance``,
+    ``model``, ``first``): a loop's results (``roles/llama_verify/tasks/servers.yml``) or ``box_manifest``'s
+    ``servers`` (the converged fast path of ``playbooks/site.yml``).
+    """
+    results = {}
+    for answer in answers:
+        checked = answer[check_key]
+        if not checked["first"]:
+            continue
+        instance = checked["instance"]
+        fields = {"model": instance["model"], "port": instance["port"],
+                  **{name: answer.get(name) for name in _ANSWER_FIELDS},
+                  **{name: answer[name] for name in _CERTIFY_FIELDS if name in answer}}
+        if "models" in instance:
+            fields["models"] = {each[check_key]["model"]: {name: each.get(name) for name in _ANSWER_FIELDS}
+                                for each in answers if each[check_key]["instance"]["name"] == instance["name"]}
+        results[instance["name"]] = fields
+    return results
+
+
 class FilterModule:
     """The filters by the names the roles use."""
 
     def filters(self):
         return {"systemd_quote": systemd_quote, "systemd_command": systemd_command, "reachable_host": reachable_host,
-                "openclaw_merge": openclaw_merge, "openclaw_problem": openclaw_problem, "llama_gpu_minors": gpu_minors}
+                "openclaw_merge": openclaw_merge, "openclaw_problem": openclaw_problem, "llama_gpu_minors": gpu_minors,
+                "verify_results": verify_results}

@@ -9,10 +9,11 @@ description:
   - The first and last task of C(playbooks/site.yml) on Linux boxes. At the end of a full run without failures,
     C(state=record) writes a record of everything the run's tasks managed, as it is on the box then (the
     C(v100box.llm.manifest) callback noted what that is) and the digest of the run's inputs.
-  - The next run's first task, C(state=check), compares the box with that record in one call; the play ends the
-    host when nothing differs and every server answers C(/health), after C(v100box.llm.llama_verify) checked the
-    servers again. Any difference, a missing or old record, other inputs, or C(v100box_full_run) means the full run,
-    and the record is removed first (a full run that fails leaves none, so the run after it is a full one too).
+  - The next run's first task, C(state=check), compares the box with that record in one call; when nothing differs
+    and every server answers C(/health), the same call runs the checks of C(v100box.llm.llama_api_check) on each
+    server of C(servers) (the run's verdict rests on them, as after a full run) and the play ends the host. Any
+    difference, a missing or old record, other inputs, or C(v100box_full_run) means the full run, and the record is
+    removed first (a full run that fails leaves none, so the run after it is a full one too).
   - Files with content (templates, copies, downloads, account files) by SHA-256 (size, mtime and inode above
     64 MiB), mode and owner; directories and attribute-only files by mode and owner; links by target; unpacked
     trees by every member's path, size, mode and mtime; model files by size, mtime, inode and owner beside their
@@ -54,6 +55,47 @@ options:
     description: Seconds to wait for each server's C(/health).
     type: int
     default: 5
+  servers:
+    description:
+      - With C(state=check), the checks of C(v100box.llm.llama_api_check) to run when the box matches its record, in
+        this same module run (a converged box then costs one module run, not two), one item a server (and one more
+        for each other model of an on-demand router), as C(v100box.llm.llama_verify)'s C(_llama_verify_checks)
+        lists them.
+      - Each item has C(base_url), C(model), C(first) (the server's own model, not another of a router's), the
+        C(instance) it checks and C(api_key_file), the server's key file read when C(api_key) is empty (none is sent
+        when the file is missing, as a server served without a key has none).
+      - A box that differs from its record checks nothing here (its full run checks the servers at its end).
+    type: list
+    elements: dict
+    default: []
+  api_key:
+    description: The key sent to every server of C(servers); empty, each server's C(api_key_file).
+    type: str
+    default: ''
+  prompt:
+    description: The prompt of each server's turns (as C(llama_api_check)'s).
+    type: str
+    default: Say hello in five words.
+  max_tokens:
+    description: Tokens asked for in each turn.
+    type: int
+    default: 16
+  timeout:
+    description: Seconds to wait for each of a server's answers.
+    type: int
+    default: 120
+  certify:
+    description: Also the certification's checks, for each server's own model (as C(llama_api_check)'s C(certify)).
+    type: bool
+    default: false
+  throughput_max_tokens:
+    description: With C(certify), the tokens each throughput request generates.
+    type: int
+    default: 64
+  throughput_runs:
+    description: With C(certify), how many throughput requests are made.
+    type: int
+    default: 3
 author: v100box maintainers (!UNKNOWN)
 """
 
@@ -78,6 +120,13 @@ entries:
   description: How many things the record holds.
   type: int
   returned: always
+servers:
+  description: With C(state=check) on a converged box, each item of C(servers) as C(check) with the fields
+    C(llama_api_check) returns for it (C(health), C(served_ids), C(openai), C(anthropic), C(auth), ...). The task fails
+    when a check fails, saying which server answered what.
+  type: list
+  elements: dict
+  returned: when the box matches its record
 """
 
 import grp
@@ -93,6 +142,8 @@ import urllib.error
 
 from ansible.module_utils.basic import AnsibleModule
 
+from ansible_collections.v100box.llm.plugins.module_utils.api_check import check as check_server
+from ansible_collections.v100box.llm.plugins.module_utils.api_check import server_key
 from ansible_collections.v100box.llm.plugins.module_utils.fetch import open_url
 from ansible_collections.v100box.llm.plugins.module_utils.systemd import show_properties
 
@@ -296,6 +347,31 @@ def check(module, params):
     return not problems, problems[:10], entries
 
 
+def check_servers(module, params):
+    """``llama_api_check``'s checks of each item of ``servers``; returns (answers, problems)."""
+    answers, problems = [], []
+    for server in params["servers"]:
+        where = server["base_url"] + ("" if server.get("first", True) else f" ({server['model']})")
+        key, problem = server_key(params["api_key"], server.get("api_key_file") or "", optional=True)
+        if key:
+            module.no_log_values.add(key)
+        if problem:
+            answers.append({"check": server, "health": "unknown"})
+            problems.append(f"{where}: {problem}")
+            continue
+        try:
+            answer, found = check_server(server["base_url"], server["model"], key, params["prompt"],
+                                         params["max_tokens"], params["timeout"],
+                                         certify_box=params["certify"] and server.get("first", True),
+                                         throughput_max_tokens=params["throughput_max_tokens"],
+                                         throughput_runs=params["throughput_runs"])
+        except RuntimeError as exc:
+            answer, found = {"health": "unreachable"}, [str(exc)]
+        answers.append({"check": server, **answer})
+        problems += [f"{where}: {'; '.join(found)}"] if found else []
+    return answers, problems
+
+
 def _merged(path, noted):
     """What this run noted, with what earlier full runs noted and this one skipped (an engine already unpacked, a
     model already downloaded) while it is still on the box."""
@@ -346,6 +422,14 @@ def main():
             full=dict(type="bool", default=False),
             max_age_s=dict(type="int", default=604800),
             health_timeout_s=dict(type="int", default=5),
+            servers=dict(type="list", elements="dict", default=[]),
+            api_key=dict(type="str", default="", no_log=True),
+            prompt=dict(type="str", default="Say hello in five words."),
+            max_tokens=dict(type="int", default=16, no_log=False),
+            timeout=dict(type="int", default=120),
+            certify=dict(type="bool", default=False),
+            throughput_max_tokens=dict(type="int", default=64, no_log=False),
+            throughput_runs=dict(type="int", default=3),
         ),
         supports_check_mode=True,
     )
@@ -358,7 +442,13 @@ def main():
         if not converged and not module.check_mode and os.path.exists(params["path"]):
             # A full run follows; until it ends without failures, no record vouches for this box.
             os.unlink(params["path"])
-        module.exit_json(changed=False, converged=converged, reasons=reasons, entries=entries)
+        if not converged:
+            module.exit_json(changed=False, converged=False, reasons=reasons, entries=entries)
+        # As after a full run, the run's verdict rests on the servers' answers now.
+        answers, problems = check_servers(module, params)
+        if problems:
+            module.fail_json(msg="; ".join(problems), converged=True, reasons=[], entries=entries, servers=answers)
+        module.exit_json(changed=False, converged=True, reasons=[], entries=entries, servers=answers)
     if module.check_mode:
         module.exit_json(changed=False, converged=False, reasons=[], entries=0)
     if not params["managed"]:  # nothing noted (the callback is off): no record, so the next run is a full one
