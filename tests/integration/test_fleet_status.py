@@ -5,6 +5,7 @@ back."""
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 from functools import partial
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lab import standin_smi
+from lab import aptrepo, standin_smi
 from tests.cli import run_controller
 from tests.integration.provisioned import provisioned_fleet
 
@@ -21,6 +22,7 @@ pytestmark = [pytest.mark.podman, pytest.mark.engine, pytest.mark.slow]
 
 controller = partial(run_controller, timeout=600)
 UNIT = "/etc/systemd/system/llama-tiny-llama.service"
+NCCL = aptrepo.NCCL_VERSIONS[0]  # the CUDA 12 build, 2.27.7
 MODEL = "/var/lib/llama/models/tiny-llama-128k-q8_0.gguf"
 # Written for this test (not a capture): what the status query asks nvidia-smi, for one V100 whose memory the
 # servers use; the stand-in prints it for any --query-gpu.
@@ -116,19 +118,18 @@ def _events(stdout: str, kind: str) -> list[dict]:
     return [event for event in map(json.loads, stdout.splitlines()) if event.get("type") == kind]
 
 
-def test_a_converged_box_ends_after_one_comparison_and_full_runs_every_role(fleet_file, systemd_target):
+def test_a_converged_box_ends_after_one_comparison_and_full_runs_every_role(fleet_file, systemd_target, tmp_path):
     done = controller("provision", "lab1", "--fleet", str(fleet_file), "--json")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (decision,) = _events(done.stdout, "fast_path")
     assert decision["converged"] is True and decision["entries"] > 10, decision
     tasks = _events(done.stdout, "task")
     assert not [task for task in tasks if task["status"] in ("changed", "failed")], tasks
-    # 4 task events on one box: the facts (cached: skipped), the comparison that checks the servers in the same module
-    # run, NCCL (not used here: skipped) and one publishing every box's comparison and checks. No role ran.
+    # 3 task events on one box: the facts (cached: skipped), the comparison that checks the servers in the same module
+    # run, and one publishing every box's comparison and checks (NCCL is not used here). No role ran.
     assert [task["task"] for task in tasks] == [
         "Gather the facts the roles read",
         "Compare the box with the record of its last full run, and check its servers when it matches",
-        "Check that NCCL loads on a converged box whose servers all-reduce through it",
         "Publish the comparisons and the converged boxes' checks for the boxes' reports"], tasks
     (report,) = _events(done.stdout, "report")
     # The verdict rests on this run's turns through both APIs and the key's refusals, published by the fast path.
@@ -148,13 +149,57 @@ def test_a_converged_box_ends_after_one_comparison_and_full_runs_every_role(flee
         "converged": False, "reasons": ["/etc/llama/llama-tiny-llama.env: mode changed"]}
     assert systemd_target.exec("stat -c %a /etc/llama/llama-tiny-llama.env").strip() == "600"
 
-    full = controller("provision", "lab1", "--fleet", str(fleet_file), "--json", "--full")
-    assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
-    (decision,) = _events(full.stdout, "fast_path")
-    assert decision == {"type": "fast_path", "host": "lab1", "converged": False,
-                        "reasons": ["a full run was asked for"], "entries": 0}
-    tasks = _events(full.stdout, "task")
-    assert len(tasks) > 100 and not [task for task in tasks if task["status"] in ("changed", "failed")]
+    # From here the box's servers are checked with NCCL (llama_verify_nccl, as for servers that all-reduce through
+    # it), against the lab's stand-in libnccl.so.2 (its ncclGetVersion reports the version it was built as).
+    library = aptrepo.compile_nccl(NCCL, tmp_path)
+    systemd_target.exec("base64 -d > /usr/local/lib/libnccl.so.2 && ldconfig", input=base64.b64encode(library).decode())
+    fleet = yaml.safe_load(fleet_file.read_text())
+    fleet["boxes"]["lab1"]["vars"] = {"llama_verify_nccl": True}
+    fleet_file.write_text(yaml.safe_dump(fleet))
+    try:
+        full = controller("provision", "lab1", "--fleet", str(fleet_file), "--json", "--full")
+        assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
+        (decision,) = _events(full.stdout, "fast_path")
+        assert decision == {"type": "fast_path", "host": "lab1", "converged": False,
+                            "reasons": ["a full run was asked for"], "entries": 0}
+        tasks = _events(full.stdout, "task")
+        assert len(tasks) > 100 and not [task for task in tasks if task["status"] in ("changed", "failed")]
+        assert "Load NCCL and ask its version" in {task["task"] for task in tasks}
+
+        # Converged: the comparison checks the servers, then NCCL is loaded again and published with their answers.
+        done = controller("provision", "lab1", "--fleet", str(fleet_file), "--json")
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        (decision,) = _events(done.stdout, "fast_path")
+        assert decision["converged"] is True, decision
+        names = [task["task"] for task in _events(done.stdout, "task")]
+        assert names[:3] == ["Gather the facts the roles read",
+                             "Compare the box with the record of its last full run, and check its servers when it matches",
+                             "Publish the comparisons and the converged boxes' checks for the boxes' reports"], names
+        assert {"Load NCCL and ask its version", "Publish the NCCL version of a converged box"} <= set(names), names
+        published = _published(fleet_file)["llama_verify"]["lab1"]
+        assert published["nccl"]["version"] == NCCL.split("-")[0], published
+        assert published["llama-tiny-llama"]["openai"]["object"] == "chat.completion", published
+
+        # NCCL gone (nothing a role manages): still converged, and the run fails saying NCCL does not load.
+        systemd_target.exec("rm /usr/local/lib/libnccl.so.2 && ldconfig")
+        broken = controller("provision", "lab1", "--fleet", str(fleet_file), "--json")
+        (decision,) = _events(broken.stdout, "fast_path")
+        assert broken.returncode != 0 and decision["converged"] is True, broken.stdout[-3000:]
+        assert "NCCL is not usable on this box" in broken.stdout + broken.stderr, broken.stdout[-3000:]
+    finally:
+        systemd_target.exec("rm -f /usr/local/lib/libnccl.so.2 && ldconfig")
+        del fleet["boxes"]["lab1"]["vars"]
+        fleet_file.write_text(yaml.safe_dump(fleet))
+
+
+def _published(fleet_file: Path) -> dict:
+    """What the last run published with set_stats (ansible-runner's artifacts of it)."""
+    runs = sorted((fleet_file.parent / "inventory" / "artifacts").iterdir(), key=lambda path: path.stat().st_mtime)
+    for event in (runs[-1] / "job_events").iterdir():
+        data = json.loads(event.read_text())
+        if data.get("event") == "playbook_on_stats":
+            return data["event_data"]["artifact_data"]
+    raise AssertionError(f"no stats in {runs[-1]}")
 
 
 def test_bad_input_is_one_line(fleet_file):
