@@ -9,8 +9,7 @@ import json
 import secrets
 import time
 from statistics import median
-
-from ansible.module_utils.six.moves.urllib.error import HTTPError, URLError
+from urllib.error import HTTPError, URLError
 
 from ansible_collections.v100box.llm.plugins.module_utils.fetch import open_url
 from ansible_collections.v100box.llm.plugins.module_utils.llama_api import (

@@ -160,9 +160,9 @@ import os
 import subprocess
 import threading
 import time
+from urllib.error import HTTPError, URLError
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.six.moves.urllib.error import HTTPError, URLError
 
 from ansible_collections.v100box.llm.plugins.module_utils.fetch import open_url
 from ansible_collections.v100box.llm.plugins.module_utils.hosts import reachable_host
