@@ -265,7 +265,17 @@ def server_key(api_key, api_key_file, optional=False):
 def check(base_url, model, api_key, prompt, max_tokens, timeout, chat=True, certify_box=False,
           throughput_max_tokens=64, throughput_runs=3):
     """Run the four checks (the first two without ``chat``), and with ``certify_box`` the certification's;
-    returns (result, list of problems)."""
+    returns (result, list of problems). A request that gets no answer, or an error where JSON was due, ends the
+    checks: the result is then health ``unreachable`` and the one problem says which request and why."""
+    try:
+        return _check(base_url, model, api_key, prompt, max_tokens, timeout, chat, certify_box,
+                      throughput_max_tokens, throughput_runs)
+    except RuntimeError as exc:
+        return {"health": "unreachable"}, [str(exc)]
+
+
+def _check(base_url, model, api_key, prompt, max_tokens, timeout, chat, certify_box, throughput_max_tokens,
+           throughput_runs):
     headers = {"Authorization": "Bearer " + api_key, "x-api-key": api_key} if api_key else {}
     result = {"health": call(base_url, "/health", {}, timeout).get("status", "unknown")}
     problems = [] if result["health"] == "ok" else [f"/health says {result['health']}"]

@@ -359,14 +359,10 @@ def check_servers(module, params):
             answers.append({"check": server, "health": "unknown"})
             problems.append(f"{where}: {problem}")
             continue
-        try:
-            answer, found = check_server(server["base_url"], server["model"], key, params["prompt"],
-                                         params["max_tokens"], params["timeout"],
-                                         certify_box=params["certify"] and server.get("first", True),
-                                         throughput_max_tokens=params["throughput_max_tokens"],
-                                         throughput_runs=params["throughput_runs"])
-        except RuntimeError as exc:
-            answer, found = {"health": "unreachable"}, [str(exc)]
+        answer, found = check_server(server["base_url"], server["model"], key, params["prompt"], params["max_tokens"],
+                                     params["timeout"], certify_box=params["certify"] and server.get("first", True),
+                                     throughput_max_tokens=params["throughput_max_tokens"],
+                                     throughput_runs=params["throughput_runs"])
         answers.append({"check": server, **answer})
         problems += [f"{where}: {'; '.join(found)}"] if found else []
     return answers, problems

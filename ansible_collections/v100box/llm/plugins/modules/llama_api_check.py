@@ -209,12 +209,9 @@ def main():
         module.fail_json(msg=problem, health="unknown")
     if api_key:
         module.no_log_values.add(api_key)
-    try:
-        result, problems = check(params["base_url"], params["model"], api_key, params["prompt"],
-                                 params["max_tokens"], params["timeout"], params["chat"], params["certify"],
-                                 params["throughput_max_tokens"], params["throughput_runs"])
-    except RuntimeError as exc:
-        module.fail_json(msg=f"{params['base_url']}: {exc}", health="unreachable")
+    result, problems = check(params["base_url"], params["model"], api_key, params["prompt"], params["max_tokens"],
+                             params["timeout"], params["chat"], params["certify"], params["throughput_max_tokens"],
+                             params["throughput_runs"])
     if problems:
         module.fail_json(msg=f"{params['base_url']}: {'; '.join(problems)}", **result)
     module.exit_json(changed=False, **result)
