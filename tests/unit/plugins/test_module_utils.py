@@ -64,12 +64,14 @@ def test_systemctl_show_gives_one_block_per_unit_in_the_order_asked():
     assert show_properties("") == [{}]
 
 
-def test_one_tls_context_serves_every_request_of_a_run_and_still_verifies(tmp_path, monkeypatch):
+def test_plain_http_builds_no_tls_context_and_one_serves_every_https_request_of_a_run(tmp_path, monkeypatch):
     # open_url builds a TLS context a request, loading the CA store each time (about 23 ms of the box's CPU); the
     # modules' open_url builds one a run. The shared context verifies as open_url's would: a self-signed server is
     # refused until its certificate is trusted (SSL_CERT_FILE, read when the context is built), and with
     # validate_certs false it is not checked.
     import ssl
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
     from urllib.error import URLError
 
     import pytest
@@ -82,6 +84,11 @@ def test_one_tls_context_serves_every_request_of_a_run_and_still_verifies(tmp_pa
     real = ssl.create_default_context
     monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: built.append(1) or real(*a, **k))
     monkeypatch.setattr(fetch, "_CONTEXTS", {})
+    with FileServer(tmp_path) as plain:  # plain HTTP needs none: a run that only checks loopback servers builds none
+        for validate_certs in (True, False):
+            with fetch.open_url(plain.url + "/health", timeout=10, validate_certs=validate_certs) as answer:
+                assert answer.status == 200
+    assert built == [] and fetch._CONTEXTS == {}
     with FileServer(tmp_path, tls=True) as server:
         built.clear()  # the server's own context
         with pytest.raises(URLError, match="CERTIFICATE_VERIFY_FAILED"):
@@ -96,3 +103,22 @@ def test_one_tls_context_serves_every_request_of_a_run_and_still_verifies(tmp_pa
             with fetch.open_url(server.url + "/health", timeout=10) as answer:
                 assert answer.read() == b'{"status": "ok"}'
         assert len(built) == 3
+
+        # A plain-HTTP URL that redirects to HTTPS is followed there, with that URL's context (verified or not).
+        class Redirect(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                self.send_response(302)
+                self.send_header("Location", server.url + "/health")
+                self.end_headers()
+
+            def log_message(self, *_args):
+                pass
+
+        hop = HTTPServer(("127.0.0.1", 0), Redirect)
+        threading.Thread(target=hop.serve_forever, daemon=True).start()
+        try:
+            with fetch.open_url(f"http://127.0.0.1:{hop.server_port}/go", timeout=10) as answer:
+                assert answer.url == server.url + "/health" and answer.read() == b'{"status": "ok"}'
+        finally:
+            hop.shutdown()
+            hop.server_close()
