@@ -68,13 +68,20 @@ def test_playbook_syntax_with_windows_and_linux_hosts(tmp_path, playbook):
 @pytest.mark.slow
 @pytest.mark.parametrize("playbook", ["site.yml", "driver.yml"])
 def test_fact_gathering_asks_each_os_for_a_subset_it_knows(tmp_path, playbook):
-    """The setup task of the play, its module swapped for debug (which contacts no host), evaluated per host."""
+    """The setup task of the play, its module swapped for debug (which contacts no host), evaluated per host; in
+    site.yml also the condition of the converged fast path's module (Linux only), which runs before any facts are
+    gathered (its action gathers them for a Linux box)."""
     (play,) = plays(playbook)
-    gather = play["pre_tasks"][0]  # site.yml's converged fast path follows it
-    assert "ansible.builtin.setup" in gather
+    (gather,) = [task for task in play["pre_tasks"] if "ansible.builtin.setup" in task]
     subset = gather["ansible.builtin.setup"]["gather_subset"]
-    probe = {"name": "Show the subset", "hosts": "all", "gather_facts": False, "tasks": [
-        {"name": "Show it", "ansible.builtin.debug": {"msg": subset}, "vars": gather["vars"]}]}
+    tasks = [{"name": "Show it", "ansible.builtin.debug": {"msg": subset}, "vars": gather.get("vars", {})}]
+    if playbook == "site.yml":
+        (fast,) = [task for task in play["pre_tasks"] if "v100box.llm.box_manifest" in task]
+        assert play["pre_tasks"][0] is fast and play["pre_tasks"].index(gather) > 1  # a converged box never sees it
+        tasks.append({"name": "Run the fast path's module?", "ansible.builtin.debug": {"msg": "yes"},
+                      "when": fast["when"]})
+    probe = {"name": "Show the subset", "hosts": "all", "gather_facts": False, "vars": play.get("vars", {}),
+             "tasks": tasks}
     (tmp_path / "play.yml").write_text(yaml.safe_dump([probe]))
     (tmp_path / "hosts.yml").write_text(yaml.safe_dump({"all": {"children": {
         "windows": {"hosts": {"win_by_group": {"ansible_connection": "local"}}},
@@ -86,10 +93,15 @@ def test_fact_gathering_asks_each_os_for_a_subset_it_knows(tmp_path, playbook):
         env={"ANSIBLE_STDOUT_CALLBACK": "ansible.posix.json", "PATH": str(Path(sys.executable).parent)},
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    hosts = json.loads(result.stdout)["plays"][0]["tasks"][0]["hosts"]
+    answers = json.loads(result.stdout)["plays"][0]["tasks"]
+    hosts = answers[0]["hosts"]
     windows = ["!all", "!min", "distribution"]
     assert hosts["win_by_group"]["msg"] == windows and hosts["win_by_connection"]["msg"] == windows
     assert hosts["lin"]["msg"] == [*windows, "pkg_mgr"]
+    if playbook == "site.yml":
+        fast = answers[1]["hosts"]
+        assert fast["lin"].get("msg") == "yes"
+        assert fast["win_by_group"].get("skipped") and fast["win_by_connection"].get("skipped")
 
 
 def test_verify_gathers_no_facts_and_its_role_tells_windows_from_the_connection():

@@ -19,6 +19,7 @@ from functools import cache
 from ansible import context
 from ansible.module_utils.ansible_release import __version__ as ANSIBLE_VERSION
 from ansible.plugins.action import ActionBase
+from ansible.vars.clean import namespace_facts
 
 DIGEST_FACT = "v100box_inputs_digest"  # set by the check at the start of a run, read by the record at its end
 _CALLBACK = "ansible_collections.v100box.llm.plugins.callback.manifest"
@@ -26,6 +27,8 @@ _COLLECTION = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__
 # Facts the roles branch on: a box whose distribution changed under the same inventory runs in full.
 _FACTS = ("distribution", "distribution_major_version", "distribution_version", "os_family", "pkg_mgr",
           "architecture", "system")
+# What a check gathers (the play's facts, for the roles) when the box's facts are not cached yet.
+GATHERED = ("os_family", "pkg_mgr")
 # Variables that are Ansible's own bookkeeping or this run's, not inputs of the roles.
 _SKIP = {"hostvars", "groups", "group_names", "inventory_hostname", "inventory_hostname_short", "inventory_dir",
          "inventory_file", "playbook_dir", "play_hosts", "role_names", "omit", "environment", "vars",
@@ -106,10 +109,23 @@ class ActionModule(ActionBase):
         args = dict(self._task.args)
         host = task_vars.get("inventory_hostname", "")
         if args.get("state") == "check":
+            facts = dict(task_vars.get("ansible_facts") or {})
+            gathered = {}
+            if not all(name in facts for name in GATHERED):
+                # The facts the roles read, when no earlier run left them cached (the controller's runs keep them a
+                # day): gathered here, not by a task of their own before this one, which would cost every box of
+                # every run a task event (a skipped one on a converged box, about 40 ms of the control node's CPU).
+                answer = self._execute_module(module_name="ansible.builtin.setup", module_args={"gather_subset": [
+                    "!all", "!min", "distribution", "pkg_mgr"]}, task_vars=task_vars)
+                if answer.get("failed") or answer.get("unreachable"):
+                    result.update(answer)
+                    return result
+                gathered = answer.get("ansible_facts") or {}
+                facts.update(namespace_facts(gathered)["ansible_facts"])  # as the play will see them: no ansible_ prefix
             # The inputs as the run starts: facts the run sets later are not inputs, so the record reuses this.
-            hashes = input_hashes(task_vars)
+            hashes = input_hashes({**task_vars, "ansible_facts": facts})
             args["digest"], args["inputs"] = digest_of(hashes), hashes
-            result["ansible_facts"] = {DIGEST_FACT: {"digest": args["digest"], "inputs": hashes}}
+            result["ansible_facts"] = {**gathered, DIGEST_FACT: {"digest": args["digest"], "inputs": hashes}}
         else:
             started = task_vars.get(DIGEST_FACT) or {}
             args["digest"] = str(started.get("digest") or "") if isinstance(started, dict) else ""
