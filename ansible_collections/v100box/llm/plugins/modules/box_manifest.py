@@ -19,7 +19,9 @@ description:
     trees by every member's path, size, mode and mtime; model files by size, mtime, inode and owner beside their
     C(.verified) record; units by load, unit-file and active state, drop-ins and whether systemd needs a reload;
     packages by version; accounts by ids, home and shell; ufw and firewalld by their rule listings.
-  - Linux only; the action plugin adds the digest of the inputs and, for a record, what the callback noted.
+  - Linux only; the action plugin adds the digest of the inputs and, for a record, what the callback noted. For a check
+    on a host whose facts are not cached, it first gathers the facts the roles read (the setup module's
+    C(distribution) and C(pkg_mgr) subsets) and returns them as the host's facts.
 options:
   state:
     description: C(record) after a full run, C(check) before one.
