@@ -253,6 +253,10 @@ def test_a_converged_box_checks_its_servers_in_the_same_module_run(tmp_path, tin
     _done, keyless = run_module("box_manifest", tmp_path, {**checked, "servers": [{**server, "api_key_file": ""}]})
     assert keyless["failed"] and "/v1/models answered HTTP 401" in keyless["msg"], keyless
     assert (tmp_path / "r.json").exists()  # a failed check is no drift: the record stays
+    # Settings llama_api_check refuses after a full run are refused here too, before any comparison.
+    _done, refused = run_module("box_manifest", tmp_path, {**checked, "throughput_runs": 0})
+    assert refused["failed"] and refused["msg"] == "throughput_runs must be at least 1, not 0", refused
+    assert "converged" not in refused and (tmp_path / "r.json").exists(), refused
 
     os.chmod(tmp_path / "box/etc/unit.env", 0o644)
     _done, drifted = run_module("box_manifest", tmp_path, {**checked, "servers": [{**server, "model": "other"}]})

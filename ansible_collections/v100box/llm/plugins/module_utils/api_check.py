@@ -249,6 +249,27 @@ def certify(base_url, model, headers, timeout, max_tokens, throughput_max_tokens
     }
 
 
+# The settings of a server's checks, in the argument specs of both modules that run them (llama_api_check and
+# box_manifest on a converged box), so that both take, default and refuse them alike.
+SETTINGS = {
+    "api_key": {"type": "str", "default": "", "no_log": True},
+    "prompt": {"type": "str", "default": "Say hello in five words."},
+    "max_tokens": {"type": "int", "default": 16, "no_log": False},
+    "timeout": {"type": "int", "default": 120},
+    "certify": {"type": "bool", "default": False},
+    "throughput_max_tokens": {"type": "int", "default": 64, "no_log": False},
+    "throughput_runs": {"type": "int", "default": 3},
+}
+
+
+def settings_problem(params):
+    """What is wrong with the checks' settings in a module's ``params`` (None: nothing)."""
+    for name in ("throughput_max_tokens", "throughput_runs"):
+        if params[name] < 1:
+            return f"{name} must be at least 1, not {params[name]}"
+    return None
+
+
 def server_key(api_key, api_key_file, optional=False):
     """The key to send a server: ``api_key``, else the one in ``api_key_file`` on the box (none when the file is
     missing and ``optional``: a server served without a key has no key file); returns (key, problem or None)."""

@@ -144,8 +144,8 @@ import urllib.error
 
 from ansible.module_utils.basic import AnsibleModule
 
+from ansible_collections.v100box.llm.plugins.module_utils.api_check import SETTINGS, server_key, settings_problem
 from ansible_collections.v100box.llm.plugins.module_utils.api_check import check as check_server
-from ansible_collections.v100box.llm.plugins.module_utils.api_check import server_key
 from ansible_collections.v100box.llm.plugins.module_utils.fetch import open_url
 from ansible_collections.v100box.llm.plugins.module_utils.systemd import show_properties
 
@@ -421,17 +421,14 @@ def main():
             max_age_s=dict(type="int", default=604800),
             health_timeout_s=dict(type="int", default=5),
             servers=dict(type="list", elements="dict", default=[]),
-            api_key=dict(type="str", default="", no_log=True),
-            prompt=dict(type="str", default="Say hello in five words."),
-            max_tokens=dict(type="int", default=16, no_log=False),
-            timeout=dict(type="int", default=120),
-            certify=dict(type="bool", default=False),
-            throughput_max_tokens=dict(type="int", default=64, no_log=False),
-            throughput_runs=dict(type="int", default=3),
+            **{name: dict(spec) for name, spec in SETTINGS.items()},  # the servers' checks' settings
         ),
         supports_check_mode=True,
     )
     params = module.params
+    problem = settings_problem(params)
+    if problem:  # as llama_api_check refuses them after a full run
+        module.fail_json(msg=problem)
     if params["state"] == "check":
         if params["full"]:
             converged, reasons, entries = False, ["a full run was asked for"], 0

@@ -177,7 +177,7 @@ throughput:
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.v100box.llm.plugins.module_utils.api_check import check, server_key
+from ansible_collections.v100box.llm.plugins.module_utils.api_check import SETTINGS, check, server_key, settings_problem
 
 
 def main():
@@ -185,25 +185,19 @@ def main():
         argument_spec=dict(
             base_url=dict(type="str", required=True),
             model=dict(type="str", required=True),
-            api_key=dict(type="str", default="", no_log=True),
             api_key_file=dict(type="str", default=""),
             api_key_file_optional=dict(type="bool", default=False),
-            prompt=dict(type="str", default="Say hello in five words."),
-            max_tokens=dict(type="int", default=16, no_log=False),
-            timeout=dict(type="int", default=120),
             chat=dict(type="bool", default=True),
-            certify=dict(type="bool", default=False),
-            throughput_max_tokens=dict(type="int", default=64, no_log=False),
-            throughput_runs=dict(type="int", default=3),
+            **{name: dict(spec) for name, spec in SETTINGS.items()},
         ),
         supports_check_mode=True,
     )
     params = module.params
     if params["certify"] and not params["chat"]:
         module.fail_json(msg="certify needs chat: true (the certification's checks are chat turns)", health="unknown")
-    for name in ("throughput_max_tokens", "throughput_runs"):
-        if params[name] < 1:
-            module.fail_json(msg=f"{name} must be at least 1, not {params[name]}", health="unknown")
+    problem = settings_problem(params)
+    if problem:
+        module.fail_json(msg=problem, health="unknown")
     api_key, problem = server_key(params["api_key"], params["api_key_file"], params["api_key_file_optional"])
     if problem:
         module.fail_json(msg=problem, health="unknown")
