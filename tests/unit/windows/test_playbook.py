@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.unit.windows.ansible_local import MERGED_ROLES, PROJECT, ROLE_NAMES
+from tests.unit.windows.ansible_local import MERGED_ROLES, PROJECT, ROLE_NAMES, role_vars
 
 PLAYBOOKS = PROJECT / "ansible_collections/v100box/llm/playbooks"
 
@@ -80,13 +80,15 @@ def test_fact_gathering_asks_each_os_for_a_subset_it_knows(tmp_path, playbook):
         assert play["pre_tasks"][0] is fast and play["pre_tasks"].index(gather) > 1  # a converged box never sees it
         tasks.append({"name": "Run the fast path's module?", "ansible.builtin.debug": {"msg": "yes"},
                       "when": fast["when"]})
-    probe = {"name": "Show the subset", "hosts": "all", "gather_facts": False, "vars": play.get("vars", {}),
-             "tasks": tasks}
+    probe = {"name": "Show the subset", "hosts": "all", "gather_facts": False, "tasks": tasks,
+             # site.yml's roles' variables are its play's: its Windows test is llama_verify's
+             "vars_files": role_vars("llama_verify") if playbook == "site.yml" else []}
     (tmp_path / "play.yml").write_text(yaml.safe_dump([probe]))
     (tmp_path / "hosts.yml").write_text(yaml.safe_dump({"all": {"children": {
         "windows": {"hosts": {"win_by_group": {"ansible_connection": "local"}}},
         "linux": {"hosts": {"lin": {"ansible_connection": "local"},
-                            "win_by_connection": {"ansible_connection": "psrp"}}}}}}))
+                            "win_by_connection": {"ansible_connection": "psrp"},
+                            "win_by_shell": {"ansible_connection": "local", "ansible_shell_type": "cmd"}}}}}}))
     result = subprocess.run(
         [tool("ansible-playbook"), "-i", str(tmp_path / "hosts.yml"), str(tmp_path / "play.yml")],
         cwd=PROJECT, capture_output=True, text=True, timeout=120, check=False,
@@ -97,11 +99,14 @@ def test_fact_gathering_asks_each_os_for_a_subset_it_knows(tmp_path, playbook):
     hosts = answers[0]["hosts"]
     windows = ["!all", "!min", "distribution"]
     assert hosts["win_by_group"]["msg"] == windows and hosts["win_by_connection"]["msg"] == windows
+    if playbook == "site.yml":  # driver.yml tells Windows by group and connection only
+        assert hosts["win_by_shell"]["msg"] == windows
     assert hosts["lin"]["msg"] == [*windows, "pkg_mgr"]
     if playbook == "site.yml":
         fast = answers[1]["hosts"]
         assert fast["lin"].get("msg") == "yes"
         assert fast["win_by_group"].get("skipped") and fast["win_by_connection"].get("skipped")
+        assert fast["win_by_shell"].get("skipped")
 
 
 def test_verify_gathers_no_facts_and_its_role_tells_windows_from_the_connection():
